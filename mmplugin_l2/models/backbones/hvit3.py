@@ -1,0 +1,221 @@
+"""H-ViT3 (hierarchical) and ViT3 (plain) backbones: ViT3, "Unlocking Test-Time Training in Vision"
+(Han et al., CVPR 2026, arXiv 2512.01643), official code Liyining-ai/ViTTT.
+
+H-ViT3: ConvStem (stride 4) -> 4 stages of H-ViT3 blocks, a ConvDownsample closing stages 1-3 ->
+per-stage output norms -> NCHW maps at strides 4, 8, 16, 32.
+
+  block:  x = x + CPE(x);  x = x + DropPath(TTT(LN(x), RoPE));  x = x + DropPath(ConvMlp(LN(x)))
+
+Differences from the authors' dense-prediction code, all documented here:
+* the TTT inner-loss scale is 1/3 on every call (theirs uses 1/sqrt(32) for the SwiGLU inner model on the
+  first call of each module instance, 1/3 afterwards: parity holds from their second call on);
+* RoPE tables are computed once per stage and input size, not stored as buffers (their unused
+  `attn.rope.rotations` / classification `rope.rotations` buffers are dropped when loading);
+* `frozen_stages`, `norm_eval` and `with_cp` follow OpenMMLab conventions.
+Padding is theirs: the stem pads right/bottom to a multiple of 4, each downsample pads an odd side by one,
+so stage i of an H x W input is ceil(H / 2^(i+2)) x ceil(W / 2^(i+2)).
+"""
+import torch.nn as nn
+import torch.nn.functional as F
+from mmcv.cnn.bricks import DropPath
+from mmengine.model.weight_init import trunc_normal_
+from mmengine.registry import MODELS
+
+from ..layers import (CPE, ConvDownsample, ConvMlp, ConvStem, Mlp, TTTAttention, map_to_tokens,
+                      rope_tables, tokens_to_map)
+from ..pyramid import PyramidBackbone, resolve_arch
+
+
+def _init_linear_and_ln(m):
+    """The authors' init: Linear trunc_normal(0.02) with zero bias, LayerNorm 1/0; convs keep torch's."""
+    if isinstance(m, nn.Linear):
+        trunc_normal_(m.weight, std=.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.LayerNorm):
+        nn.init.ones_(m.weight)
+        nn.init.zeros_(m.bias)
+
+
+class TTTBlock(nn.Module):
+    """ViT3 / H-ViT3 block on tokens (B, N, C) of an (H, W) map: CPE, TTT attention (with RoPE when the
+    caller passes tables), MLP (ConvMlp in H-ViT3, plain Mlp in ViT3)."""
+
+    def __init__(self, dim, num_heads, mlp_ratio=4., qkv_bias=True, drop=0., drop_path=0., norm_eps=1e-5,
+                 conv_mlp=True):
+        super().__init__()
+        self.cpe = CPE(dim)
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
+        self.attn = TTTAttention(dim, num_heads, qkv_bias=qkv_bias)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
+        self.mlp = (ConvMlp if conv_mlp else Mlp)(dim, int(dim * mlp_ratio), drop=drop)
+
+    def forward(self, x, hw_shape, rope=None):
+        x = x + self.cpe(x, hw_shape)
+        x = x + self.drop_path(self.attn(self.norm1(x), hw_shape, rope))
+        return x + self.drop_path(self.mlp(self.norm2(x), hw_shape))
+
+
+class HViT3Stage(nn.Module):
+    """`depth` TTT blocks, then (stages 1-3) a ConvDownsample to the next width."""
+
+    def __init__(self, dim, depth, num_heads, out_dim=None, drop_paths=(), **block_kw):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            [TTTBlock(dim, num_heads, drop_path=drop_paths[j], **block_kw) for j in range(depth)])
+        self.downsample = ConvDownsample(dim, out_dim) if out_dim is not None else None
+
+
+@MODELS.register_module()
+class HViT3(PyramidBackbone):
+    """H-ViT3 backbone.
+
+    Args:
+        arch (str | dict): 'tiny', 'small', 'base' (aliases 't', 's', 'b') or a dict with
+            `embed_dims`, `depths`, `num_heads` (4 entries each). Default: 'tiny'.
+        in_channels (int): image channels. Default: 3.
+        mlp_ratio (float): MLP expansion. Default: 4.
+        qkv_bias (bool): Default: True.
+        drop_rate (float): dropout after the stem and in the MLPs. Default: 0.
+        drop_path_rate (float): stochastic depth, linearly increasing over all blocks. Default: 0.1.
+        out_indices (Sequence[int]): stages to return. Default: (0, 1, 2, 3).
+        frozen_stages (int): -1 none, 0 the stem, i the stem and stages 0..i-1. Default: -1.
+        norm_eval (bool): keep BatchNorms (stem, downsamples) in eval mode during training. Default: False.
+        with_cp (bool): activation checkpointing per block. Default: False.
+        out_norm_cfg (dict | None): norm of each returned stage (`norm{i}`); dict(type='LN') is mmdet's
+            side-branch convention, dict(type='BN') on stage 3 reproduces the authors' classification
+            BatchNorm1d over tokens. Default: dict(type='LN').
+        init_cfg (dict | None): dict(type='Pretrained', checkpoint=PATH) loads the authors'
+            classification (or dense-prediction) checkpoints, see `convert_state_dict`.
+    """
+    arch_zoo = {
+        **dict.fromkeys(['t', 'tiny'], dict(embed_dims=[64, 128, 320, 512], depths=[1, 3, 9, 4],
+                                            num_heads=[2, 4, 10, 16])),
+        **dict.fromkeys(['s', 'small'], dict(embed_dims=[64, 128, 320, 512], depths=[2, 6, 18, 8],
+                                             num_heads=[2, 4, 10, 16])),
+        **dict.fromkeys(['b', 'base'], dict(embed_dims=[96, 192, 448, 640], depths=[2, 6, 18, 8],
+                                            num_heads=[3, 6, 14, 20])),
+    }
+
+    def __init__(self, arch='tiny', in_channels=3, mlp_ratio=4., qkv_bias=True, drop_rate=0.,
+                 drop_path_rate=0.1, out_indices=(0, 1, 2, 3), frozen_stages=-1, norm_eval=False,
+                 with_cp=False, out_norm_cfg=dict(type='LN'), init_cfg=None):
+        super().__init__(init_cfg=init_cfg)
+        self.arch_settings = a = resolve_arch(arch, self.arch_zoo, ('embed_dims', 'depths', 'num_heads'),
+                                              'HViT3')
+        self.arch_desc = arch if isinstance(arch, str) else 'custom'
+        dims, depths, heads = a['embed_dims'], a['depths'], a['num_heads']
+        if not len(dims) == len(depths) == len(heads):
+            raise ValueError(f'HViT3: embed_dims, depths and num_heads need one entry per stage, got '
+                             f'{dims}, {depths}, {heads}')
+        n_blocks = sum(depths)
+        dpr = [drop_path_rate * i / max(n_blocks - 1, 1) for i in range(n_blocks)]
+        self.patch_embed = ConvStem(in_channels, dims[0])
+        self.pos_drop = nn.Dropout(drop_rate)
+        self.layers = nn.ModuleList()
+        for i, (dim, depth, nh) in enumerate(zip(dims, depths, heads)):
+            start = sum(depths[:i])
+            self.layers.append(HViT3Stage(
+                dim, depth, nh, out_dim=dims[i + 1] if i + 1 < len(dims) else None,
+                drop_paths=dpr[start:start + depth], mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop=drop_rate))
+        self.apply(_init_linear_and_ln)
+        self._init_pyramid(in_channels, dims, out_indices, frozen_stages, norm_eval, with_cp, out_norm_cfg)
+
+    def forward(self, x):
+        self.check_input(x)
+        x = self.patch_embed(x)
+        hw = tuple(x.shape[-2:])
+        x = self.pos_drop(map_to_tokens(x))
+        outs = []
+        for i, stage in enumerate(self.layers):
+            rope = rope_tables(*hw, x.shape[-1], device=x.device)
+            for block in stage.blocks:
+                x = self.run_block(block, x, hw, rope)
+            if i in self.out_indices:
+                outs.append(self.stage_output(i, tokens_to_map(x, hw)))
+            if stage.downsample is not None:
+                x = stage.downsample(tokens_to_map(x, hw))
+                hw = tuple(x.shape[-2:])
+                x = map_to_tokens(x)
+        return tuple(outs)
+
+    def keys_not_in_pretrained(self):
+        return [k for k in self.state_dict() if k.split('.')[0] in {f'norm{i}' for i in self.out_indices}]
+
+    def convert_state_dict(self, state_dict):
+        """The authors' H-ViT3 checkpoints -> ours: keys are shared unchanged; RoPE buffers
+        (`*.rope.rotations`) and the classifier `head.*` are dropped; the final BatchNorm1d `norm.*`
+        becomes `norm3.*` when stage 3 is returned through a BatchNorm (classification), else dropped."""
+        final_bn = 3 in self.out_indices and isinstance(getattr(self, 'norm3', None), nn.modules.batchnorm._BatchNorm)
+        out = {}
+        for k, v in state_dict.items():
+            if k.endswith('rope.rotations') or k.startswith('head.'):
+                continue
+            if k.startswith('norm.'):
+                if final_bn:
+                    out['norm3.' + k[5:]] = v
+                continue
+            out[k] = v
+        return out
+
+
+@MODELS.register_module()
+class ViT3(PyramidBackbone):
+    """Plain (non-hierarchical) ViT3: 16x16 patch embedding -> 12 TTT blocks (CPE, TTT without RoPE, plain
+    MLP, LayerNorm eps 1e-6) -> final LayerNorm `norm`. No class token and no position embedding.
+
+    Returns the maps (B, C, ceil(H/p), ceil(W/p)) after the blocks in `out_indices` (the last one through
+    the final norm); mean-pooling the last map gives the authors' classification feature. Unlike the
+    authors' code, non-square and non-multiple-of-p inputs work (right/bottom zero padding).
+
+    Args:
+        arch (str | dict): 'tiny', 'small', 'base' or a dict with `embed_dims`, `num_layers`, `num_heads`.
+        patch_size (int): Default: 16. out_indices (Sequence[int]): block indices. Default: (-1,).
+        frozen_stages (int): -1 none, 0 the patch embedding, i also blocks 0..i-1.
+        Other arguments as for `HViT3`.
+    """
+    arch_zoo = {
+        **dict.fromkeys(['t', 'tiny'], dict(embed_dims=192, num_layers=12, num_heads=6)),
+        **dict.fromkeys(['s', 'small'], dict(embed_dims=384, num_layers=12, num_heads=6)),
+        **dict.fromkeys(['b', 'base'], dict(embed_dims=768, num_layers=12, num_heads=12)),
+    }
+
+    def __init__(self, arch='tiny', patch_size=16, in_channels=3, mlp_ratio=4., qkv_bias=True, drop_rate=0.,
+                 drop_path_rate=0., out_indices=(-1,), frozen_stages=-1, norm_eval=False, with_cp=False,
+                 init_cfg=None):
+        super().__init__(init_cfg=init_cfg)
+        self.arch_settings = a = resolve_arch(arch, self.arch_zoo, ('embed_dims', 'num_layers', 'num_heads'),
+                                              'ViT3')
+        self.arch_desc = arch if isinstance(arch, str) else 'custom'
+        dim, depth = a['embed_dims'], a['num_layers']
+        self.patch_size = patch_size
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv2d(in_channels, dim, patch_size, stride=patch_size)
+        self.pos_drop = nn.Dropout(drop_rate)
+        dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
+        self.blocks = nn.ModuleList([
+            TTTBlock(dim, a['num_heads'], mlp_ratio, qkv_bias, drop_rate, dpr[j], norm_eps=1e-6, conv_mlp=False)
+            for j in range(depth)])
+        self.layers = self.blocks  # freezing counts blocks as stages
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.apply(_init_linear_and_ln)
+        self._init_pyramid(in_channels, [dim] * depth, out_indices, frozen_stages, norm_eval, with_cp, None)
+
+    def forward(self, x):
+        self.check_input(x)
+        x = self.patch_embed.proj(F.pad(x, (0, (-x.shape[-1]) % self.patch_size,
+                                            0, (-x.shape[-2]) % self.patch_size)))
+        hw = tuple(x.shape[-2:])
+        x = self.pos_drop(map_to_tokens(x))
+        outs = []
+        last = len(self.blocks) - 1
+        for j, block in enumerate(self.blocks):
+            x = self.run_block(block, x, hw)
+            if j in self.out_indices:
+                outs.append(tokens_to_map(self.norm(x) if j == last else x, hw))
+        return tuple(outs)
+
+    def convert_state_dict(self, state_dict):
+        """The authors' ViT3 checkpoints share our keys; the classifier `head.*` is dropped."""
+        return {k: v for k, v in state_dict.items() if not k.startswith('head.')}

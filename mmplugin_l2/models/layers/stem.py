@@ -1,0 +1,62 @@
+"""Convolutional stems and the convolutional downsampling ("PatchMerging") of hierarchical backbones.
+
+All modules here take and return NCHW tensors.
+"""
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .conv import ConvLayer
+
+
+def pad_to_multiple(x, multiple):
+    """Zero-pad an NCHW tensor on the right/bottom so that H and W are multiples of `multiple`."""
+    h, w = x.shape[-2:]
+    pad_h, pad_w = (-h) % multiple, (-w) % multiple
+    if pad_h or pad_w:
+        x = F.pad(x, (0, pad_w, 0, pad_h))
+    return x
+
+
+class ConvStem(nn.Module):
+    """Five-conv stem of H-ViT3 (stride 4): (B, in_ch, H, W) -> (B, C, ceil(H/4), ceil(W/4)).
+
+    3x3 s2 (in -> C/2) -> 3x3 (C/2) -> 3x3 (C/2) -> 3x3 s2 (C/2 -> 4C) -> 1x1 (4C -> C, no activation);
+    every conv is bias-free and followed by BatchNorm2d, ReLU after all but the last. The input is first
+    zero-padded right/bottom to a multiple of 4, as the authors' dense-prediction code does.
+    """
+
+    def __init__(self, in_channels, embed_dim):
+        super().__init__()
+        half = embed_dim // 2
+        self.conv = nn.Sequential(
+            ConvLayer(in_channels, half, 3, stride=2, padding=1, bias=False),
+            ConvLayer(half, half, 3, stride=1, padding=1, bias=False),
+            ConvLayer(half, half, 3, stride=1, padding=1, bias=False),
+            ConvLayer(half, embed_dim * 4, 3, stride=2, padding=1, bias=False),
+            ConvLayer(embed_dim * 4, embed_dim, 1, bias=False, act=None),
+        )
+
+    def forward(self, x):
+        return self.conv(pad_to_multiple(x, 4))
+
+
+class ConvDownsample(nn.Module):
+    """Inverted-bottleneck stride-2 downsampling ("PatchMerging" in H-ViT3):
+    (B, C_in, H, W) -> (B, C_out, ceil(H/2), ceil(W/2)).
+
+    1x1 (C_in -> r*C_out) + ReLU -> depth-wise 3x3 s2 + ReLU -> 1x1 (r*C_out -> C_out) + BN2d; all convs
+    have a bias. An odd H or W is zero-padded by one row/column at the bottom/right *before* the first
+    1x1 conv, as the authors do (the pad then becomes ReLU(bias), not zero).
+    """
+
+    def __init__(self, in_channels, out_channels, ratio=4.0):
+        super().__init__()
+        hidden = int(out_channels * ratio)
+        self.conv = nn.Sequential(
+            ConvLayer(in_channels, hidden, 1, norm=False),
+            ConvLayer(hidden, hidden, 3, stride=2, padding=1, groups=hidden, norm=False),
+            ConvLayer(hidden, out_channels, 1, act=None),
+        )
+
+    def forward(self, x):
+        return self.conv(pad_to_multiple(x, 2))

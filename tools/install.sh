@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs the stack mmplugin_l2 is tested on, then the plugin itself (editable).
+#
+#   torch 2.14.1 / torchvision 0.29.1 (a torch you already have is kept), mmengine 0.10.7,
+#   mmcv 2.1.0 with compiled ops, mmdet 3.3.0, mmsegmentation 1.2.2, mmpretrain 1.2.0, pycocotools.
+#
+# mmcv 2.1.0 has no wheel for current torch on PyPI, so pip builds it from source (~20-30 min on 2 cores).
+# The build needs: no build isolation (it imports torch), MMCV_WITH_OPS=1, setuptools that still ships
+# pkg_resources (>=77.0.3,<82, also what torch accepts) and C++20 (torch >= 2.14 headers refuse C++17,
+# while mmcv's setup.py hard-codes -std=c++17: a g++ wrapper appends -std=c++20, the last -std wins).
+# Set PIP_FIND_LINKS to a folder holding a prebuilt mmcv wheel to skip the build.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PYTHON:-python}
+
+if ! $PY -c "import torch, torchvision" 2>/dev/null; then
+  $PY -m pip install torch==2.14.1 torchvision==0.29.1
+fi
+$PY -m pip install 'setuptools>=77.0.3,<82' wheel ninja 'numpy>=2' 'mmengine==0.10.7' pycocotools ftfy regex \
+  scipy shapely terminaltables matplotlib pytest
+
+if ! $PY -c "import mmcv, mmcv.ops; assert mmcv.__version__ == '2.1.0'" 2>/dev/null; then
+  wrap=$(mktemp -d)
+  printf '#!/bin/sh\nexec g++ "$@" -std=c++20\n' > "$wrap/g++20"
+  chmod +x "$wrap/g++20"
+  CXX="$wrap/g++20" MMCV_WITH_OPS=1 MAX_JOBS=${MAX_JOBS:-2} \
+    $PY -m pip install --no-build-isolation 'mmcv==2.1.0'
+fi
+$PY -m pip install 'mmdet==3.3.0' 'mmsegmentation==1.2.2' 'mmpretrain==1.2.0'
+$PY -m pip install --no-build-isolation --no-deps -e "$here"
+$PY -c "import mmcv.ops, mmdet, mmseg, mmpretrain, mmplugin_l2; print('mmplugin_l2 stack OK: torch', __import__('torch').__version__, 'mmcv', mmcv.__version__)"
