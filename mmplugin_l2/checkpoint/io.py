@@ -54,19 +54,23 @@ def load_checkpoint_file(path, trusted=True):
                           pickle_module=_tolerant_pickle)
 
 
-def extract_state_dict(ckpt, prefix=None):
+def extract_state_dict(ckpt, prefix=None, keys=('state_dict', 'model')):
     """The weights of a checkpoint: under `state_dict` (mmengine), `model` (the authors' non-EMA weights,
     which their dense-prediction code loads) or the object itself. With `prefix` (e.g. 'backbone.'),
     only the keys under it are kept, prefix removed; without it, a `backbone.` prefix carried by every
     key is removed as well."""
     if isinstance(ckpt, dict):
-        for key in ('state_dict', 'model'):
+        for key in keys:
             if key in ckpt and isinstance(ckpt[key], dict):
                 ckpt = ckpt[key]
                 break
+        else:
+            if any(k in ckpt for k in keys) or not all(torch.is_tensor(v) for v in ckpt.values()):
+                raise ValueError(f'none of the entries {list(keys)} of the checkpoint holds weights; '
+                                 f'it has {sorted(ckpt)[:10]}')
     if not isinstance(ckpt, dict) or not all(torch.is_tensor(v) for v in ckpt.values()):
-        raise ValueError('no state dict found in the checkpoint (looked under "state_dict", "model" '
-                         'and at the top level)')
+        raise ValueError(f'no state dict found in the checkpoint (looked under {list(keys)} and at '
+                         f'the top level)')
     sd = {k[7:] if k.startswith('module.') else k: v for k, v in ckpt.items()}
     if prefix is None and sd and all(k.startswith('backbone.') for k in sd):
         prefix = 'backbone.'
@@ -77,31 +81,39 @@ def extract_state_dict(ckpt, prefix=None):
     return sd
 
 
-def load_pretrained(model, path, convert, prefix=None, logger=None):
-    """Load `path` into `model` after `convert(state_dict)`; raise if the keys or shapes do not fit.
+def check_state_dict_fits(model, sd, source):
+    """Raise ValueError listing missing / unexpected keys and shape mismatches of `sd` against `model`.
 
     Keys that `model` owns but a pretrained classification file cannot have (declared by
     `model.keys_not_in_pretrained()`, e.g. new output norms) may be missing; nothing else may.
     """
-    sd = convert(extract_state_dict(load_checkpoint_file(path), prefix))
     own = model.state_dict()
     optional = set(getattr(model, 'keys_not_in_pretrained', lambda: [])())
     missing = sorted(k for k in own if k not in sd and k not in optional)
     unexpected = sorted(k for k in sd if k not in own)
     shape = sorted(f'{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}'
                    for k in sd if k in own and sd[k].shape != own[k].shape)
-    if missing or unexpected or shape:
-        def show(keys):
-            return ', '.join(keys[:12]) + (f' ... (+{len(keys) - 12} more)' if len(keys) > 12 else '')
-        parts = [f'{path} does not fit {type(model).__name__}'
-                 f'{" (arch " + str(getattr(model, "arch_desc", "")) + ")" if getattr(model, "arch_desc", "") else ""}:']
-        if missing:
-            parts.append(f'  {len(missing)} missing keys: {show(missing)}')
-        if unexpected:
-            parts.append(f'  {len(unexpected)} unexpected keys: {show(unexpected)}')
-        if shape:
-            parts.append(f'  {len(shape)} shape mismatches: {show(shape)}')
-        parts.append('  Is it a checkpoint of this model family and size?')
-        raise ValueError('\n'.join(parts))
+    if not (missing or unexpected or shape):
+        return
+
+    def show(keys):
+        return ', '.join(keys[:12]) + (f' ... (+{len(keys) - 12} more)' if len(keys) > 12 else '')
+
+    arch = getattr(model, 'arch_desc', '')
+    parts = [f'{source} does not fit {type(model).__name__}{f" (arch {arch})" if arch else ""}:']
+    if missing:
+        parts.append(f'  {len(missing)} missing keys: {show(missing)}')
+    if unexpected:
+        parts.append(f'  {len(unexpected)} unexpected keys: {show(unexpected)}')
+    if shape:
+        parts.append(f'  {len(shape)} shape mismatches: {show(shape)}')
+    parts.append('  Is it a checkpoint of this model family and size?')
+    raise ValueError('\n'.join(parts))
+
+
+def load_pretrained(model, path, convert, prefix=None, logger=None):
+    """Load `path` into `model` after `convert(state_dict)`; raise if the keys or shapes do not fit."""
+    sd = convert(extract_state_dict(load_checkpoint_file(path), prefix))
+    check_state_dict_fits(model, sd, path)
     model.load_state_dict(sd, strict=False)
     return sd

@@ -1,0 +1,7 @@
+# Mask R-CNN FPN, H-ViT3-B, 1x: as the T config, with the base arch, its checkpoint and wider stages.
+_base_ = './mask_rcnn_hvit3_t_1x.py'
+
+model = dict(
+    backbone=dict(arch='base',
+                  init_cfg=dict(type='Pretrained', checkpoint='data/pretrained/H-ViTTT-B.pth')),
+    neck=dict(in_channels=[96, 192, 448, 640]))

@@ -1,0 +1,123 @@
+"""What tools/train.py and tools/test.py share: one entry point for mmdet, mmseg and mmpretrain configs.
+
+The framework is read from the config's `default_scope` ('mmdet', 'mmseg' or 'mmpretrain'); everything
+else is the libraries' own Runner, datasets, evaluators and visualisation hooks.
+"""
+import os
+import os.path as osp
+
+from mmengine.config import Config
+
+SCOPES = ('mmdet', 'mmseg', 'mmpretrain')
+
+DATA_HELP = {
+    'mmdet': 'COCO 2017 (train2017/, val2017/, annotations/instances_*.json) under data/coco/',
+    'mmseg': 'ADE20K (ADEChallengeData2016/images, ADEChallengeData2016/annotations) under data/ade/',
+    'mmpretrain': 'ImageNet-1k (train/, val/, meta/{train,val}.txt) under data/imagenet/',
+}
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    pass
+
+
+def load_config(path, cfg_options=None, work_dir=None, launcher='none'):
+    if not osp.isfile(path):
+        raise FileNotFoundError(f'config file not found: {path}')
+    cfg = Config.fromfile(path)
+    if cfg_options:
+        cfg.merge_from_dict(cfg_options)
+    scope = cfg.get('default_scope')
+    if scope not in SCOPES:
+        raise ValueError(f'{path}: default_scope is {scope!r}; tools/train.py and tools/test.py handle '
+                         f'configs of {SCOPES} (inherit their bases, e.g. _base_ = "mmdet::...")')
+    cfg.launcher = launcher
+    if work_dir is not None:
+        cfg.work_dir = work_dir
+    elif cfg.get('work_dir') is None:
+        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(path))[0])
+    return cfg
+
+
+def _datasets(ds):
+    """Leaf dataset configs under wrappers (RepeatDataset, ClassBalancedDataset, ConcatDataset)."""
+    if ds is None:
+        return []
+    if 'datasets' in ds:
+        return [leaf for d in ds['datasets'] for leaf in _datasets(d)]
+    if 'dataset' in ds:
+        return _datasets(ds['dataset'])
+    return [ds]
+
+
+def dataset_paths(ds):
+    """The files and folders a dataset config will read."""
+    root = ds.get('data_root') or ''
+    paths = []
+    if root:
+        paths.append(root)
+    if ds.get('ann_file'):
+        paths.append(osp.join(root, ds['ann_file']))
+    prefix = ds.get('data_prefix')
+    if isinstance(prefix, dict):
+        paths += [osp.join(root, p) for p in prefix.values() if isinstance(p, str) and p]
+    elif isinstance(prefix, str) and prefix:
+        paths.append(osp.join(root, prefix))
+    if ds.get('split') and root and not ds.get('ann_file'):
+        paths.append(osp.join(root, ds['split']))
+    return paths
+
+
+def check_data(cfg, loaders):
+    """Raise DatasetNotFoundError naming the first missing path, what it should hold and how to run
+    the demo instead."""
+    for name in loaders:
+        loader = cfg.get(name)
+        if not loader:
+            continue
+        for ds in _datasets(loader.get('dataset')):
+            for p in dataset_paths(ds):
+                if not osp.exists(p):
+                    raise DatasetNotFoundError(
+                        f'dataset path not found: {p!r} (needed by {name}, dataset '
+                        f'{ds.get("type")}).\n  This config expects '
+                        f'{DATA_HELP[cfg.default_scope]}: download it there or point the config at '
+                        f'it, e.g. --cfg-options {name}.dataset.data_root=/path/to/data/\n  To try '
+                        f'the model without the real data, generate the demo data and run the demo: '
+                        f'python tools/make_demo_data.py && bash tools/demo.sh  (see README, "Demo")')
+
+
+def enable_visualization(cfg, show_dir):
+    """Draw test predictions into `show_dir` with the framework's own visualisation hook."""
+    hooks = cfg.default_hooks
+    if 'visualization' not in hooks:
+        raise ValueError('--show-dir needs a visualization hook in default_hooks')
+    vis = hooks.visualization
+    if cfg.default_scope == 'mmdet':
+        vis.draw = True
+        vis.test_out_dir = show_dir
+    elif cfg.default_scope == 'mmseg':
+        vis.draw = True
+        cfg.visualizer.save_dir = show_dir
+    else:
+        vis.enable = True
+        vis.out_dir = show_dir
+
+
+def build_runner(cfg):
+    from mmengine.registry import RUNNERS
+    from mmengine.runner import Runner
+    if 'runner_type' in cfg:
+        return RUNNERS.build(cfg)
+    return Runner.from_cfg(cfg)
+
+
+def format_metrics(metrics):
+    """One line per metric, e.g. `coco/bbox_mAP: 0.1234`."""
+    return '\n'.join(f'  {k}: {v:.4f}' if isinstance(v, float) else f'  {k}: {v}'
+                     for k, v in metrics.items())
+
+
+def set_local_rank(local_rank):
+    if 'LOCAL_RANK' not in os.environ:
+        os.environ['LOCAL_RANK'] = str(local_rank)

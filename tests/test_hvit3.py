@@ -1,0 +1,266 @@
+"""H-ViT3 / ViT3 backbones: shapes, inner gradients, RoPE, freezing, checkpointing, registries, weights."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import TINY_HVIT3
+from mmplugin_l2 import HViT3, ViT3
+from mmplugin_l2.models.layers import (TTTAttention, apply_rope, dwconv_inner_grad, rope_tables,
+                                       swiglu_inner_grads)
+
+
+def n_params(m):
+    return sum(p.numel() for p in m.parameters())
+
+
+# ---------------------------------------------------------------- shapes
+@pytest.mark.parametrize('size', [(64, 64), (63, 97), (250, 333), (33, 31), (8, 8)])
+def test_shapes_and_strides(size):
+    m = HViT3(arch=TINY_HVIT3).eval()
+    with torch.no_grad():
+        outs = m(torch.randn(2, 3, *size))
+    assert len(outs) == 4
+    for i, (o, c) in enumerate(zip(outs, TINY_HVIT3['embed_dims'])):
+        s = 2 ** (i + 2)
+        assert o.shape == (2, c, math.ceil(size[0] / s), math.ceil(size[1] / s)), (i, o.shape)
+        assert torch.isfinite(o).all()
+
+
+def test_real_tiny_width_shapes_at_odd_size():
+    m = HViT3('tiny').eval()
+    with torch.no_grad():
+        outs = m(torch.randn(1, 3, 250, 333))
+    assert [tuple(o.shape[1:]) for o in outs] == [(64, 63, 84), (128, 32, 42), (320, 16, 21), (512, 8, 11)]
+
+
+def test_out_indices_and_out_channels():
+    m = HViT3(arch=TINY_HVIT3, out_indices=(1, 3)).eval()
+    outs = m(torch.randn(1, 3, 64, 64))
+    assert [o.shape[1] for o in outs] == [32, 64] == m.out_channels
+    assert hasattr(m, 'norm1') and hasattr(m, 'norm3') and not hasattr(m, 'norm0')
+
+
+def test_vit3_shapes_any_size():
+    m = ViT3(arch=dict(embed_dims=32, num_layers=2, num_heads=2), out_indices=(0, 1)).eval()
+    outs = m(torch.randn(2, 3, 50, 70))
+    assert [tuple(o.shape) for o in outs] == [(2, 32, 4, 5), (2, 32, 4, 5)]
+
+
+# ---------------------------------------------------------------- parameter counts
+@pytest.mark.parametrize('arch,expected', [('tiny', 28_191_584), ('small', 53_850_080),
+                                           ('base', 93_729_776)])
+def test_param_counts_detection_backbone(arch, expected):
+    assert n_params(HViT3(arch=arch)) == expected
+
+
+@pytest.mark.parametrize('arch,expected', [('tiny', 28_703_560), ('small', 54_362_056),
+                                           ('base', 94_369_304)])
+def test_param_counts_classifier(arch, expected):
+    """Backbone with the authors' BN on stage 4 + a 1000-way linear head = their classifier."""
+    m = HViT3(arch=arch, out_indices=(3,), out_norm_cfg=dict(type='BN'))
+    c = m.out_channels[0]
+    assert n_params(m) + c * 1000 + 1000 == expected
+
+
+@pytest.mark.parametrize('arch,expected', [('tiny', 6_149_416), ('small', 23_799_400),
+                                           ('base', 90_055_912)])
+def test_param_counts_vit3(arch, expected):
+    m = ViT3(arch=arch)
+    c = m.norm.weight.numel()
+    assert n_params(m) + c * 1000 + 1000 == expected
+
+
+# ---------------------------------------------------------------- TTT inner model
+def test_swiglu_inner_grads_equal_autograd():
+    b, h, n, d = 2, 3, 20, 8
+    k, v = torch.randn(b, h, n, d, dtype=torch.float64), torch.randn(b, h, n, d, dtype=torch.float64)
+    w1 = torch.randn(1, h, d, d, dtype=torch.float64) * 0.3
+    w2 = torch.randn(1, h, d, d, dtype=torch.float64) * 0.3
+    scale = 1 / 3
+    # per-sample fast weights, so that autograd gives one gradient per sample
+    W1 = w1.expand(b, -1, -1, -1).clone().requires_grad_()
+    W2 = w2.expand(b, -1, -1, -1).clone().requires_grad_()
+    f = (k @ W1) * F.silu(k @ W2)
+    loss = -(f * v).sum() * scale / n
+    g1, g2 = torch.autograd.grad(loss, (W1, W2))
+    ref1 = g1 / (g1.norm(dim=-2, keepdim=True) + 1)
+    ref2 = g2 / (g2.norm(dim=-2, keepdim=True) + 1)
+    out1, out2 = swiglu_inner_grads(k, v, w1, w2, scale)
+    torch.testing.assert_close(out1, ref1, rtol=0, atol=1e-12)
+    torch.testing.assert_close(out2, ref2, rtol=0, atol=1e-12)
+
+
+def test_dwconv_inner_grad_equals_autograd():
+    b, d, hh, ww = 2, 4, 7, 5
+    k, v = torch.randn(b, d, hh, ww, dtype=torch.float64), torch.randn(b, d, hh, ww, dtype=torch.float64)
+    w = (torch.randn(d, 1, 3, 3, dtype=torch.float64) * 0.2).repeat(b, 1, 1, 1).requires_grad_()
+    scale = 1 / 3
+    out = F.conv2d(k.reshape(1, b * d, hh, ww), w, padding=1, groups=b * d).reshape(b, d, hh, ww)
+    loss = -(out * v).sum() * scale / (hh * ww)
+    (g,) = torch.autograd.grad(loss, w)
+    ref = g / (g.norm(dim=(-2, -1), keepdim=True) + 1)
+    torch.testing.assert_close(dwconv_inner_grad(k, v, scale), ref, rtol=0, atol=1e-12)
+
+
+def test_ttt_layer_against_explicit_inner_training():
+    """The whole TTT layer against a slow path that trains each inner model with autograd."""
+    torch.manual_seed(1)
+    c, nh, hh, ww, b = 16, 2, 5, 6, 2
+    layer = TTTAttention(c, nh).double()
+    with torch.no_grad():
+        for p in (layer.w1, layer.w2, layer.w3):
+            p.normal_(0, 0.3)
+    x = torch.randn(b, hh * ww, c, dtype=torch.float64)
+    rope = tuple(t.double() for t in rope_tables(hh, ww, c))
+    got = layer(x, (hh, ww), rope)
+
+    d = c // nh
+    n = hh * ww
+    q1, k1, v1, q2, k2, v2 = layer.qkv(x).split([c, c, c, d, d, d], -1)
+    q1, k1 = apply_rope(q1, *rope).double(), apply_rope(k1, *rope).double()
+    outs = []
+    for i in range(b):
+        heads = []
+        for hd in range(nh):
+            sl = slice(hd * d, (hd + 1) * d)
+            W1 = layer.w1[0, hd].detach().clone().requires_grad_()
+            W2 = layer.w2[0, hd].detach().clone().requires_grad_()
+            loss = -((k1[i, :, sl] @ W1) * F.silu(k1[i, :, sl] @ W2) * v1[i, :, sl]).sum() / n / 3
+            g1, g2 = torch.autograd.grad(loss, (W1, W2))
+            W1 = W1 - g1 / (g1.norm(dim=0, keepdim=True) + 1)
+            W2 = W2 - g2 / (g2.norm(dim=0, keepdim=True) + 1)
+            heads.append((q1[i, :, sl] @ W1) * F.silu(q1[i, :, sl] @ W2))
+        kk = k2[i].T.reshape(1, d, hh, ww)
+        vv = v2[i].T.reshape(1, d, hh, ww)
+        W3 = layer.w3.detach().clone().requires_grad_()
+        loss = -(F.conv2d(kk, W3, padding=1, groups=d) * vv).sum() / n / 3
+        (g3,) = torch.autograd.grad(loss, W3)
+        W3 = W3 - g3 / (g3.norm(dim=(-2, -1), keepdim=True) + 1)
+        conv = F.conv2d(q2[i].T.reshape(1, d, hh, ww), W3, padding=1, groups=d).reshape(d, n).T
+        outs.append(torch.cat(heads + [conv], -1))
+    ref = layer.proj(torch.stack(outs))
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-10)
+
+
+def test_scale_is_constant_across_calls():
+    """No first-call special case: the same input gives the same output on every call."""
+    m = HViT3(arch=TINY_HVIT3).eval()
+    x = torch.randn(1, 3, 64, 64)
+    a, b = m(x), m(x)
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
+    assert all(blk.attn.scale == pytest.approx(1 / 3) for s in m.layers for blk in s.blocks)
+
+
+# ---------------------------------------------------------------- RoPE
+def test_rope_matches_complex_rotation():
+    h, w, c = 5, 7, 16
+    cos, sin = rope_tables(h, w, c)
+    x = torch.randn(2, h * w, c)
+    k = c // 4
+    theta = 10000 ** (-torch.arange(k, dtype=torch.float64) / k)
+    ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing='ij')
+    ang = torch.cat([ys.reshape(-1, 1) * theta, xs.reshape(-1, 1) * theta], 1)  # (N, C/2)
+    z = torch.view_as_complex(x.double().reshape(2, h * w, c // 2, 2).contiguous())
+    ref = torch.view_as_real(z * torch.polar(torch.ones_like(ang), ang)).reshape(2, h * w, c)
+    torch.testing.assert_close(apply_rope(x, cos, sin).double(), ref, rtol=0, atol=1e-5)
+    # first half of the channels rotates with the row only, second half with the column only
+    rows = apply_rope(torch.ones(1, h * w, c), cos, sin).reshape(h, w, c)
+    assert torch.allclose(rows[:, :1, :c // 2].expand(-1, w, -1), rows[:, :, :c // 2])
+    assert torch.allclose(rows[:1, :, c // 2:].expand(h, -1, -1), rows[:, :, c // 2:])
+
+
+def test_rope_tables_from_inference_mode_serve_training():
+    with torch.inference_mode():
+        cos, sin = rope_tables(4, 4, 8)
+    x = torch.randn(1, 16, 8, requires_grad=True)
+    apply_rope(x, cos, sin).sum().backward()
+    assert x.grad is not None
+
+
+# ---------------------------------------------------------------- freezing, norm_eval, with_cp
+def test_frozen_stages():
+    m = HViT3(arch=TINY_HVIT3, frozen_stages=2)
+    m.train()
+    frozen = [m.patch_embed, m.layers[0], m.layers[1], m.norm0, m.norm1]
+    for mod in frozen:
+        assert not mod.training
+        assert all(not p.requires_grad for p in mod.parameters())
+    for mod in (m.layers[2], m.layers[3], m.norm2, m.norm3):
+        assert mod.training and all(p.requires_grad for p in mod.parameters())
+    bn = m.patch_embed.conv[0].norm
+    before = bn.running_mean.clone()
+    sum(o.sum() for o in m(torch.randn(2, 3, 64, 64))).backward()
+    assert torch.equal(bn.running_mean, before)
+    assert all(p.grad is None for mod in frozen for p in mod.parameters())
+    assert m.layers[2].blocks[0].attn.w1.grad is not None
+
+
+def test_frozen_stages_out_of_range():
+    with pytest.raises(ValueError, match='frozen_stages'):
+        HViT3(arch=TINY_HVIT3, frozen_stages=7)
+
+
+def test_norm_eval_keeps_batchnorm_statistics():
+    m = HViT3(arch=TINY_HVIT3, norm_eval=True)
+    m.train()
+    bns = [x for x in m.modules() if isinstance(x, torch.nn.BatchNorm2d)]
+    assert bns and all(not bn.training for bn in bns)
+    before = [bn.running_var.clone() for bn in bns]
+    m(torch.randn(2, 3, 64, 64))
+    assert all(torch.equal(a, bn.running_var) for a, bn in zip(before, bns))
+    # and without norm_eval they do move
+    m2 = HViT3(arch=TINY_HVIT3).train()
+    before = m2.patch_embed.conv[0].norm.running_var.clone()
+    m2(torch.randn(2, 3, 64, 64))
+    assert not torch.equal(before, m2.patch_embed.conv[0].norm.running_var)
+
+
+@pytest.mark.parametrize('backbone', ['hvit3', 'vit3'])
+def test_with_cp_same_output_and_grads(backbone):
+    if backbone == 'hvit3':
+        kw = dict(arch=TINY_HVIT3, drop_path_rate=0.)
+        build = HViT3
+    else:
+        kw = dict(arch=dict(embed_dims=32, num_layers=2, num_heads=2))
+        build = ViT3
+    torch.manual_seed(0)
+    a = build(**kw)
+    b = build(**kw, with_cp=True)
+    b.load_state_dict(a.state_dict())
+    a.train(), b.train()
+    x = torch.randn(2, 3, 64, 64)
+    oa, ob = a(x), b(x)
+    for u, v in zip(oa, ob):
+        torch.testing.assert_close(u, v, rtol=0, atol=1e-6)
+    sum(o.square().sum() for o in oa).backward()
+    sum(o.square().sum() for o in ob).backward()
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+# ---------------------------------------------------------------- registries and errors
+@pytest.mark.parametrize('scope', ['mmdet', 'mmseg', 'mmpretrain'])
+def test_build_from_each_registry(scope):
+    import importlib
+    registry = importlib.import_module(f'{scope}.registry').MODELS
+    m = registry.build(dict(type='HViT3', arch=TINY_HVIT3, out_indices=(2, 3)))
+    assert isinstance(m, HViT3)
+    v = registry.build(dict(type='ViT3', arch=dict(embed_dims=32, num_layers=1, num_heads=2)))
+    assert isinstance(v, ViT3)
+
+
+def test_unknown_arch_error():
+    with pytest.raises(ValueError, match=r"unknown arch 'huge'.*'base'"):
+        HViT3(arch='huge')
+    with pytest.raises(ValueError, match='missing'):
+        HViT3(arch=dict(embed_dims=[8, 16, 32, 64]))
+
+
+def test_wrong_channel_count_error():
+    m = HViT3(arch=TINY_HVIT3)
+    with pytest.raises(ValueError, match=r'expects images \(B, 3, H, W\).*\(1, 4, 32, 32\)'):
+        m(torch.randn(1, 4, 32, 32))
+

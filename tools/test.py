@@ -1,0 +1,65 @@
+"""Evaluate a checkpoint on an mmdet, mmseg or mmpretrain config: prints COCO AP (bbox, segm), mIoU or
+top-1, whichever the config's evaluator computes.
+
+    python tools/test.py CONFIG CHECKPOINT [--work-dir DIR] [--show-dir DIR] [--cfg-options k=v ...]
+    bash tools/dist_test.sh CONFIG CHECKPOINT NUM_PROCS [args...]
+"""
+import argparse
+import json
+import os.path as osp
+import sys
+
+sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
+
+from mmengine.config import DictAction  # noqa: E402
+
+import mmplugin_l2  # noqa: E402,F401
+from mmplugin_l2.engine import (DatasetNotFoundError, build_runner, check_data, enable_visualization,  # noqa: E402
+                                format_metrics, load_config, set_local_rank)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description='Test (and evaluate) an mmdet / mmseg / mmpretrain model')
+    p.add_argument('config', help='config file')
+    p.add_argument('checkpoint', help='checkpoint file written by tools/train.py')
+    p.add_argument('--work-dir', help='where the metrics log goes')
+    p.add_argument('--show-dir', help='draw predictions over the test images into this folder')
+    p.add_argument('--out', help='also write the metrics to this JSON file')
+    p.add_argument('--cfg-options', nargs='+', action=DictAction,
+                   help='override config entries, key=value')
+    p.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'], default='none')
+    p.add_argument('--local_rank', '--local-rank', type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    set_local_rank(args.local_rank)
+    if not osp.isfile(args.checkpoint):
+        sys.exit(f'error: checkpoint file not found: {args.checkpoint}')
+    cfg = load_config(args.config, args.cfg_options, args.work_dir, args.launcher)
+    cfg.load_from = args.checkpoint
+    # the backbone weights come from the checkpoint; do not require the ImageNet file as well
+    if cfg.model.get('backbone', {}).get('init_cfg') is not None:
+        cfg.model.backbone.init_cfg = None
+    if args.show_dir:
+        enable_visualization(cfg, args.show_dir)
+    try:
+        check_data(cfg, ['test_dataloader'])
+    except DatasetNotFoundError as err:
+        sys.exit(f'error: {err}')
+    runner = build_runner(cfg)
+    metrics = runner.test()
+    from mmengine.dist import is_main_process
+    if is_main_process():
+        print(f'\nResults of {osp.basename(args.config)} with {args.checkpoint}:')
+        print(format_metrics(metrics), flush=True)
+        if args.out:
+            with open(args.out, 'w') as f:
+                json.dump({k: (float(v) if isinstance(v, (int, float)) else str(v))
+                           for k, v in metrics.items()}, f, indent=2)
+    return metrics
+
+
+if __name__ == '__main__':
+    main()
