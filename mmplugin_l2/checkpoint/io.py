@@ -7,11 +7,12 @@ import warnings
 import torch
 
 
-class _Placeholder:
-    """Stands in for a pickled object whose class is not importable here (e.g. a yacs CfgNode)."""
+class _Placeholder(dict):
+    """Stands in for a pickled object whose class is not importable here (e.g. a yacs CfgNode, a dict
+    subclass): it takes any constructor arguments, items and state, and is never used."""
 
     def __init__(self, *args, **kwargs):
-        pass
+        super().__init__()
 
     def __setstate__(self, state):
         self.state = state

@@ -2,9 +2,13 @@
 
 mmengine 0.10.7 calls `torch.load` without `weights_only`, so `tools/test.py --checkpoint` and `--resume`
 fail on the objects mmengine itself pickles into `meta` / `message_hub`: its HistoryBuffer and the numpy
-arrays, scalars and dtypes they hold. Only those specific types are allow-listed; safety stays on for
+arrays, scalars and dtypes they hold, and the statistics methods of HistoryBuffer, which pickle protocol 2
+writes as `getattr(HistoryBuffer, 'min')`. Only those specific types are allow-listed, and `getattr` is
+replaced by `history_buffer_getattr`, which resolves nothing but those methods: safety stays on for
 everything else.
 """
+import pickle
+
 import numpy as np
 import torch
 
@@ -20,9 +24,17 @@ def _numpy_globals():
     return items
 
 
+def history_buffer_getattr(obj, name):
+    """`getattr` restricted to the statistics methods of mmengine's HistoryBuffer."""
+    from mmengine.logging.history_buffer import HistoryBuffer
+    if obj is HistoryBuffer and name in ('min', 'max', 'current', 'mean'):
+        return getattr(obj, name)
+    raise pickle.UnpicklingError(f'weights_only load: getattr({obj!r}, {name!r}) is not allowed')
+
+
 def mmengine_safe_globals():
     from mmengine.logging.history_buffer import HistoryBuffer
-    return [HistoryBuffer] + _numpy_globals()
+    return [HistoryBuffer, (history_buffer_getattr, 'builtins.getattr')] + _numpy_globals()
 
 
 def register_mmengine_safe_globals():

@@ -1,0 +1,198 @@
+"""Loading the authors' checkpoints (init_cfg=Pretrained, tools/convert_checkpoint.py) and the weights_only
+allow-list for mmengine's own checkpoints."""
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY_HVIT3
+from mmplugin_l2 import HViT3, ViT3
+
+
+def authors_state_dict(model, with_cls=True):
+    """A state dict in the authors' classification layout: our shared keys, RoPE buffers, BN1d + head."""
+    sd = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith('norm')}
+    for i, stage in enumerate(model.layers):
+        for j, _ in enumerate(stage.blocks):
+            sd[f'layers.{i}.blocks.{j}.rope.rotations'] = torch.randn(4, 4, 8, 2)
+    c = model.stage_channels[-1]
+    if with_cls:
+        sd.update({'norm.weight': torch.rand(c), 'norm.bias': torch.randn(c),
+                   'norm.running_mean': torch.randn(c), 'norm.running_var': torch.rand(c) + .5,
+                   'norm.num_batches_tracked': torch.tensor(7),
+                   'head.weight': torch.randn(1000, c), 'head.bias': torch.randn(1000)})
+    return sd
+
+
+def save_with_foreign_object(obj, path):
+    """Save like the authors' trainer: the dict also holds an object whose class is not importable
+    at load time (their yacs CfgNode)."""
+    mod = types.ModuleType('yacs_like_config')
+
+    class CfgNode(dict):
+        pass
+    CfgNode.__module__ = 'yacs_like_config'
+    CfgNode.__qualname__ = 'CfgNode'
+    mod.CfgNode = CfgNode
+    sys.modules['yacs_like_config'] = mod
+    try:
+        obj = dict(obj, config=CfgNode(MODEL='h_vittt'))
+        torch.save(obj, path)
+    finally:
+        del sys.modules['yacs_like_config']
+
+
+@pytest.fixture
+def authors_file(tmp_path):
+    src = HViT3(arch=TINY_HVIT3)
+    with torch.no_grad():
+        for p in src.parameters():
+            p.normal_()
+    sd = authors_state_dict(src)
+    path = tmp_path / 'authors.pth'
+    save_with_foreign_object({'model': sd, 'state_dict_ema': {k: v + 1 for k, v in sd.items()},
+                              'epoch': 3, 'max_accuracy': 0.5}, path)
+    return src, sd, path
+
+
+def test_pretrained_loads_authors_file(authors_file):
+    src, sd, path = authors_file
+    m = HViT3(arch=TINY_HVIT3, init_cfg=dict(type='Pretrained', checkpoint=str(path)))
+    with pytest.warns(UserWarning, match='beyond tensors'):
+        m.init_weights()
+    own = m.state_dict()
+    for k, v in src.state_dict().items():
+        if not k.startswith('norm'):
+            assert torch.equal(own[k], v), k
+    # new output LayerNorms keep their 1/0 init
+    assert torch.equal(own['norm0.weight'], torch.ones(16)) and torch.equal(own['norm3.bias'], torch.zeros(64))
+
+
+def test_pretrained_classifier_norm_goes_to_norm3(authors_file):
+    _, sd, path = authors_file
+    m = HViT3(arch=TINY_HVIT3, out_indices=(3,), out_norm_cfg=dict(type='BN'),
+              init_cfg=dict(type='Pretrained', checkpoint=str(path)))
+    with pytest.warns(UserWarning):
+        m.init_weights()
+    for name in ('weight', 'bias', 'running_mean', 'running_var'):
+        assert torch.equal(getattr(m.norm3, name), sd[f'norm.{name}'])
+
+
+def test_pretrained_wrong_size_lists_keys(authors_file, tmp_path):
+    _, sd, _ = authors_file
+    path = tmp_path / 'clean.pth'
+    torch.save({'model': sd}, path)
+    m = HViT3(arch=dict(TINY_HVIT3, depths=[1, 1, 3, 1]),
+              init_cfg=dict(type='Pretrained', checkpoint=str(path)))
+    with pytest.raises(ValueError, match=r'does not fit HViT3[\s\S]*missing keys: layers\.2\.blocks\.2'):
+        m.init_weights()
+    bad = dict(sd)
+    bad['layers.0.blocks.0.attn.w1'] = torch.zeros(1, 1, 8, 8)
+    bad['something.else'] = torch.zeros(1)
+    torch.save({'model': bad}, path)
+    m = HViT3(arch=TINY_HVIT3, init_cfg=dict(type='Pretrained', checkpoint=str(path)))
+    with pytest.raises(ValueError, match=r'unexpected keys: something\.else[\s\S]*shape mismatches: '
+                                         r'layers\.0\.blocks\.0\.attn\.w1'):
+        m.init_weights()
+
+
+def test_pretrained_missing_file():
+    m = HViT3(arch=TINY_HVIT3, init_cfg=dict(type='Pretrained', checkpoint='/nonexistent/x.pth'))
+    with pytest.raises(FileNotFoundError, match='/nonexistent/x.pth'):
+        m.init_weights()
+
+
+def test_pretrained_accepts_mmdet_checkpoint(tmp_path):
+    src = HViT3(arch=TINY_HVIT3)
+    with torch.no_grad():
+        for p in src.parameters():
+            p.uniform_()
+    path = tmp_path / 'det.pth'
+    torch.save({'state_dict': {f'backbone.{k}': v for k, v in src.state_dict().items()} |
+                {'neck.conv.weight': torch.zeros(1)}, 'meta': {}}, path)
+    m = HViT3(arch=TINY_HVIT3, init_cfg=dict(type='Pretrained', checkpoint=str(path), prefix='backbone.'))
+    m.init_weights()
+    for k, v in src.state_dict().items():
+        assert torch.equal(m.state_dict()[k], v)
+
+
+def run_tool(*args):
+    return subprocess.run([sys.executable, f'{ROOT}/tools/convert_checkpoint.py', *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT)
+
+
+def test_convert_tool_backbone_and_mmpretrain(authors_file, tmp_path):
+    src, sd, path = authors_file
+    dst = tmp_path / 'bb.pth'
+    # a custom arch is not a named one: convert against tiny must fail and list the keys
+    r = run_tool(path, dst, '--model', 'HViT3', '--arch', 'tiny')
+    assert r.returncode != 0 and 'does not fit HViT3' in r.stderr and not dst.exists()
+    from mmplugin_l2.checkpoint.convert import convert_checkpoint
+    import mmplugin_l2.checkpoint.convert as conv
+    orig = conv.build_backbone
+    conv.build_backbone = lambda t, a, target: HViT3(
+        arch=TINY_HVIT3, **conv.CLASSIFIER_BACKBONE[t] if target == 'mmpretrain' else {})
+    try:
+        with pytest.warns(UserWarning):
+            out = convert_checkpoint(path, 'HViT3', 'custom', 'mmpretrain')
+        with pytest.warns(UserWarning):
+            ema = convert_checkpoint(path, 'HViT3', 'custom', 'backbone', ema=True)
+    finally:
+        conv.build_backbone = orig
+    assert torch.equal(out['state_dict']['head.fc.weight'], sd['head.weight'])
+    assert torch.equal(out['state_dict']['backbone.norm3.running_mean'], sd['norm.running_mean'])
+    assert not any('rope' in k for k in out['state_dict'])
+    k = 'layers.0.blocks.0.attn.w3'
+    assert torch.equal(ema['state_dict'][k], sd[k] + 1)
+    torch.save(out, dst)
+    # the converted file loads with torch's safe loader
+    assert 'head.fc.bias' in torch.load(dst, weights_only=True)['state_dict']
+
+
+def test_convert_tool_real_arch(tmp_path):
+    src = ViT3(arch='tiny')
+    sd = {k: v for k, v in src.state_dict().items()}
+    sd.update({'head.weight': torch.randn(1000, 192), 'head.bias': torch.randn(1000)})
+    path = tmp_path / 'vit3_t.pth'
+    torch.save({'model': sd}, path)
+    dst = tmp_path / 'cls.pth'
+    r = run_tool(path, dst, '--model', 'ViT3', '--arch', 'tiny', '--target', 'mmpretrain')
+    assert r.returncode == 0, r.stderr
+    out = torch.load(dst, weights_only=True)['state_dict']
+    assert torch.equal(out['head.fc.weight'], sd['head.weight'])
+    assert torch.equal(out['backbone.blocks.11.attn.w1'], sd['blocks.11.attn.w1'])
+    r = run_tool(path, dst, '--model', 'ViT3', '--arch', 'small')
+    assert r.returncode != 0 and 'shape mismatches' in r.stderr
+
+
+def test_mmengine_types_are_allow_listed(tmp_path):
+    """What mmengine pickles into a checkpoint's meta loads with weights_only=True."""
+    import numpy as np
+    from mmengine.logging import HistoryBuffer, MessageHub
+    hub = MessageHub.get_instance('test_allow_list')
+    hub.update_scalar('train/loss', np.float64(0.5))
+    hub.update_scalar('train/lr', 1e-3)
+    hub.update_info('iter', 3)
+    obj = {'meta': {'message_hub': hub.state_dict(), 'seed': np.int64(3),
+                    'arr': np.arange(3, dtype=np.float32)}, 'state_dict': {}}
+    path = tmp_path / 'mm.pth'
+    torch.save(obj, path)
+    out = torch.load(path, weights_only=True)
+    assert isinstance(out['meta']['message_hub']['log_scalars']['train/loss'], HistoryBuffer)
+
+
+class _Escalate:
+    """Pickles as getattr(numpy.ndarray, 'tofile'): what a malicious file could use getattr for."""
+
+    def __reduce__(self):
+        import numpy as np
+        return getattr, (np.ndarray, 'tofile')
+
+
+def test_getattr_stays_restricted(tmp_path):
+    path = tmp_path / 'evil.pth'
+    torch.save({'x': _Escalate()}, path)
+    with pytest.raises(Exception, match='not allowed'):
+        torch.load(path, weights_only=True)
