@@ -1,0 +1,47 @@
+# The demo: configs/mmdet/mask_rcnn_hvit3_t_1x.py unchanged but for data paths, image scale and schedule,
+# on the synthetic COCO-format data of `python tools/make_demo_data.py` (3 shape classes, 128x128 images).
+# Trained from scratch (no ImageNet weights are available offline). Run it with `bash tools/demo.sh`.
+_base_ = '../mmdet/mask_rcnn_hvit3_t_1x.py'
+
+data_root = 'data/demo/coco/'
+metainfo = dict(classes=('circle', 'rectangle', 'triangle'))
+img_scale = (128, 128)
+
+model = dict(
+    backbone=dict(init_cfg=None, with_cp=False, drop_path_rate=0.),
+    roi_head=dict(bbox_head=dict(num_classes=3), mask_head=dict(num_classes=3)))
+
+train_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='LoadAnnotations', with_bbox=True, with_mask=True),
+    dict(type='RandomFlip', prob=0.5),
+    dict(type='Resize', scale=img_scale, keep_ratio=True),
+    dict(type='PackDetInputs'),
+]
+test_pipeline = [
+    dict(type='LoadImageFromFile'),
+    dict(type='Resize', scale=img_scale, keep_ratio=True),
+    dict(type='LoadAnnotations', with_bbox=True, with_mask=True),
+    dict(type='PackDetInputs', meta_keys=('img_id', 'img_path', 'ori_shape', 'img_shape', 'scale_factor')),
+]
+train_dataloader = dict(
+    batch_size=4, num_workers=1, persistent_workers=True,
+    dataset=dict(data_root=data_root, metainfo=metainfo, ann_file='annotations/instances_train2017.json',
+                 data_prefix=dict(img='train2017/'), pipeline=train_pipeline))
+val_dataloader = dict(
+    batch_size=4, num_workers=1, persistent_workers=True,
+    dataset=dict(data_root=data_root, metainfo=metainfo, ann_file='annotations/instances_val2017.json',
+                 data_prefix=dict(img='val2017/'), pipeline=test_pipeline))
+test_dataloader = val_dataloader
+val_evaluator = dict(ann_file=data_root + 'annotations/instances_val2017.json')
+test_evaluator = val_evaluator
+
+# schedule: a few epochs of 50 iterations, short warm-up, fp32 on CPU
+max_epochs = 8
+train_cfg = dict(max_epochs=max_epochs, val_interval=max_epochs)
+optim_wrapper = dict(type='OptimWrapper', optimizer=dict(lr=4e-4))
+param_scheduler = [
+    dict(type='LinearLR', start_factor=0.01, by_epoch=False, begin=0, end=50),
+    dict(type='MultiStepLR', begin=0, end=max_epochs, by_epoch=True, milestones=[6], gamma=0.1),
+]
+default_hooks = dict(logger=dict(interval=10), checkpoint=dict(interval=max_epochs))
