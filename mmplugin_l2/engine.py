@@ -104,6 +104,34 @@ def enable_visualization(cfg, show_dir):
         vis.out_dir = show_dir
 
 
+def _sync_bn_to_bn(node):
+    if isinstance(node, dict):
+        if node.get('type') == 'SyncBN':
+            node['type'] = 'BN'
+        for v in node.values():
+            _sync_bn_to_bn(v)
+    elif isinstance(node, (list, tuple)):
+        for v in node:
+            _sync_bn_to_bn(v)
+
+
+def setup_cpu_distributed(cfg):
+    """Make a `--launcher pytorch` run work without GPUs: gloo process group, DDP without device ids,
+    BN instead of SyncBN (which needs GPU tensors). mmengine assumes CUDA for the pytorch launcher."""
+    import torch
+    import torch.distributed as dist
+    if cfg.launcher == 'none' or torch.cuda.is_available():
+        return
+    cfg.setdefault('env_cfg', {}).setdefault('dist_cfg', {})['backend'] = 'gloo'
+    if not dist.is_initialized():
+        dist.init_process_group(backend='gloo')
+    if cfg.get('model_wrapper_cfg') is None:
+        cfg.model_wrapper_cfg = dict(
+            type='MMDistributedDataParallel', device_ids=None, broadcast_buffers=False,
+            find_unused_parameters=cfg.get('find_unused_parameters', False))
+    _sync_bn_to_bn(cfg.model)
+
+
 def build_runner(cfg):
     from mmengine.registry import RUNNERS
     from mmengine.runner import Runner
@@ -114,8 +142,12 @@ def build_runner(cfg):
 
 def format_metrics(metrics):
     """One line per metric, e.g. `coco/bbox_mAP: 0.1234`."""
-    return '\n'.join(f'  {k}: {v:.4f}' if isinstance(v, float) else f'  {k}: {v}'
-                     for k, v in metrics.items())
+    def fmt(v):
+        try:
+            return f'{float(v):.4f}'
+        except (TypeError, ValueError):
+            return str(v)
+    return '\n'.join(f'  {k}: {fmt(v)}' for k, v in metrics.items())
 
 
 def set_local_rank(local_rank):

@@ -15,7 +15,8 @@ from mmengine.config import DictAction  # noqa: E402
 
 import mmplugin_l2  # noqa: E402,F401
 from mmplugin_l2.engine import (DatasetNotFoundError, build_runner, check_data, enable_visualization,  # noqa: E402
-                                format_metrics, load_config, set_local_rank)
+                                format_metrics, load_config, set_local_rank,
+                                setup_cpu_distributed)
 
 
 def parse_args(argv=None):
@@ -30,6 +31,14 @@ def parse_args(argv=None):
     p.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'], default='none')
     p.add_argument('--local_rank', '--local-rank', type=int, default=0)
     return p.parse_args(argv)
+
+
+def to_json(v):
+    """Metrics come as python, numpy or torch numbers (or strings, e.g. COCO's copypaste lines)."""
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return str(v)
 
 
 def main(argv=None):
@@ -48,6 +57,7 @@ def main(argv=None):
         check_data(cfg, ['test_dataloader'])
     except DatasetNotFoundError as err:
         sys.exit(f'error: {err}')
+    setup_cpu_distributed(cfg)
     runner = build_runner(cfg)
     metrics = runner.test()
     from mmengine.dist import is_main_process
@@ -56,8 +66,7 @@ def main(argv=None):
         print(format_metrics(metrics), flush=True)
         if args.out:
             with open(args.out, 'w') as f:
-                json.dump({k: (float(v) if isinstance(v, (int, float)) else str(v))
-                           for k, v in metrics.items()}, f, indent=2)
+                json.dump({k: to_json(v) for k, v in metrics.items()}, f, indent=2)
     return metrics
 
 

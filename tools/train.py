@@ -13,7 +13,7 @@ from mmengine.config import DictAction  # noqa: E402
 
 import mmplugin_l2  # noqa: E402,F401  (registers the backbones and the checkpoint allow-list)
 from mmplugin_l2.engine import (DatasetNotFoundError, build_runner, check_data, load_config,  # noqa: E402
-                                set_local_rank)
+                                set_local_rank, setup_cpu_distributed)
 
 
 def parse_args(argv=None):
@@ -52,6 +52,7 @@ def main(argv=None):
         check_data(cfg, loaders)
     except DatasetNotFoundError as err:
         sys.exit(f'error: {err}')
+    setup_cpu_distributed(cfg)
     runner = build_runner(cfg)
     runner.train()
 

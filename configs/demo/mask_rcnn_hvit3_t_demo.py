@@ -25,11 +25,11 @@ test_pipeline = [
     dict(type='PackDetInputs', meta_keys=('img_id', 'img_path', 'ori_shape', 'img_shape', 'scale_factor')),
 ]
 train_dataloader = dict(
-    batch_size=4, num_workers=1, persistent_workers=True,
+    batch_size=4, num_workers=0, persistent_workers=False,
     dataset=dict(data_root=data_root, metainfo=metainfo, ann_file='annotations/instances_train2017.json',
                  data_prefix=dict(img='train2017/'), pipeline=train_pipeline))
 val_dataloader = dict(
-    batch_size=4, num_workers=1, persistent_workers=True,
+    batch_size=4, num_workers=0, persistent_workers=False,
     dataset=dict(data_root=data_root, metainfo=metainfo, ann_file='annotations/instances_val2017.json',
                  data_prefix=dict(img='val2017/'), pipeline=test_pipeline))
 test_dataloader = val_dataloader
