@@ -197,10 +197,16 @@ class ViT3(PyramidBackbone):
         self.blocks = nn.ModuleList([
             TTTBlock(dim, a['num_heads'], mlp_ratio, qkv_bias, drop_rate, dpr[j], norm_eps=1e-6, conv_mlp=False)
             for j in range(depth)])
-        self.layers = self.blocks  # freezing counts blocks as stages
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self.apply(_init_linear_and_ln)
         self._init_pyramid(in_channels, [dim] * depth, out_indices, frozen_stages, norm_eval, with_cp, None)
+
+    @property
+    def layers(self):
+        """The blocks, seen as stages by `frozen_stages`. A property, not a second registration of the
+        ModuleList: an alias attribute would duplicate every block key as `layers.*` in `state_dict()`,
+        and the authors' checkpoints (only `blocks.*`) would no longer fit."""
+        return self.blocks
 
     def forward(self, x):
         self.check_input(x)
