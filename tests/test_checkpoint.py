@@ -196,3 +196,44 @@ def test_getattr_stays_restricted(tmp_path):
     torch.save({'x': _Escalate()}, path)
     with pytest.raises(Exception, match='not allowed'):
         torch.load(path, weights_only=True)
+
+
+def test_mmpretrain_classifier_reproduces_authors_logits(tmp_path):
+    """configs/mmpretrain/hvit3_t_in1k.py + a converted authors' classification checkpoint gives the
+    authors' classifier: BatchNorm1d over tokens -> mean over tokens -> linear head, computed here by hand
+    from their tensors."""
+    from mmengine.config import Config
+    from mmengine.registry import init_default_scope
+    from mmengine.runner import load_checkpoint
+    from mmpretrain.registry import MODELS
+    from mmplugin_l2.checkpoint.convert import convert_checkpoint
+
+    torch.manual_seed(0)
+    src = HViT3('tiny')
+    with torch.no_grad():
+        for p in src.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    sd = authors_state_dict(src)
+    path = tmp_path / 'authors_t.pth'
+    torch.save({'model': sd, 'epoch': 299}, path)
+    out = tmp_path / 'cls.pth'
+    torch.save(convert_checkpoint(path, 'HViT3', 'tiny', 'mmpretrain'), out)
+
+    init_default_scope('mmpretrain')
+    cfg = Config.fromfile(f'{ROOT}/configs/mmpretrain/hvit3_t_in1k.py')
+    model = MODELS.build(cfg.model)
+    load_checkpoint(model, str(out), map_location='cpu', strict=True)
+    model.eval()
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        logits = model(x, mode='tensor')
+        # independent head: the authors' BN1d on (B, C, N) tokens, mean over N, Linear
+        src.load_state_dict({k: v for k, v in sd.items() if k in src.state_dict()}, strict=False)
+        feats = HViT3('tiny', out_indices=(3,), out_norm_cfg=None)
+        feats.load_state_dict(src.state_dict(), strict=False)
+        tokens = feats.eval()(x)[0].flatten(2)                        # (B, C, N)
+        bn = (tokens - sd['norm.running_mean'][:, None]) / torch.sqrt(sd['norm.running_var'][:, None] + 1e-5)
+        bn = bn * sd['norm.weight'][:, None] + sd['norm.bias'][:, None]
+        ref = bn.mean(-1) @ sd['head.weight'].T + sd['head.bias']
+    torch.testing.assert_close(logits, ref, rtol=0, atol=1e-4)
+    assert logits.shape == (2, 1000)
