@@ -264,3 +264,18 @@ def test_wrong_channel_count_error():
     with pytest.raises(ValueError, match=r'expects images \(B, 3, H, W\).*\(1, 4, 32, 32\)'):
         m(torch.randn(1, 4, 32, 32))
 
+
+
+def test_vit3_state_dict_has_the_authors_layout():
+    keys = ViT3(arch=dict(embed_dims=32, num_layers=2, num_heads=2)).state_dict().keys()
+    assert {k.split('.')[0] for k in keys} == {'patch_embed', 'blocks', 'norm'}
+    assert 'blocks.1.attn.w3' in keys and 'blocks.1.mlp.fc2.weight' in keys
+
+
+def test_hvit3_state_dict_has_the_authors_layout():
+    keys = set(HViT3(arch=TINY_HVIT3).state_dict())
+    assert {k.split('.')[0] for k in keys} == {'patch_embed', 'layers', 'norm0', 'norm1', 'norm2', 'norm3'}
+    for k in ('patch_embed.conv.4.norm.running_var', 'layers.0.blocks.0.cpe.weight',
+              'layers.2.blocks.1.attn.qkv.weight', 'layers.1.downsample.conv.2.norm.weight',
+              'layers.3.blocks.0.mlp.dwc.weight'):
+        assert k in keys
