@@ -4,12 +4,15 @@
     bash tools/dist_train.sh CONFIG NUM_PROCS [args...]        # torchrun, --launcher pytorch
 """
 import argparse
+import logging
 import os.path as osp
 import sys
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 
+import torch  # noqa: E402
 from mmengine.config import DictAction  # noqa: E402
+from mmengine.logging import print_log  # noqa: E402
 
 import mmplugin_l2  # noqa: E402,F401  (registers the backbones and the checkpoint allow-list)
 from mmplugin_l2.engine import (DatasetNotFoundError, build_runner, check_data, load_config,  # noqa: E402
@@ -36,9 +39,18 @@ def main(argv=None):
     set_local_rank(args.local_rank)
     cfg = load_config(args.config, args.cfg_options, args.work_dir, args.launcher)
     if args.amp:
+        if not torch.cuda.is_available():
+            sys.exit('error: --amp (fp16 AmpOptimWrapper) needs a CUDA GPU; none is available')
         if cfg.optim_wrapper.get('type', 'OptimWrapper') == 'OptimWrapper':
             cfg.optim_wrapper.type = 'AmpOptimWrapper'
             cfg.optim_wrapper.setdefault('loss_scale', 'dynamic')
+    elif cfg.optim_wrapper.get('type') == 'AmpOptimWrapper' and not torch.cuda.is_available():
+        # mmengine's AmpOptimWrapper asserts a GPU; the authors' AMP configs still train in fp32 on CPU
+        print_log('the config trains with AmpOptimWrapper (fp16), which needs a GPU: training in fp32 '
+                  'with OptimWrapper instead', logger='current', level=logging.WARNING)
+        cfg.optim_wrapper.type = 'OptimWrapper'
+        for key in ('loss_scale', 'dtype', 'use_fsdp'):
+            cfg.optim_wrapper.pop(key, None)
     if args.auto_scale_lr:
         if 'auto_scale_lr' not in cfg:
             raise ValueError('--auto-scale-lr needs auto_scale_lr.base_batch_size in the config')

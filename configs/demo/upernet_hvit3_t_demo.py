@@ -41,7 +41,7 @@ val_dataloader = dict(
 test_dataloader = val_dataloader
 
 max_iters = 400
-optim_wrapper = dict(type='OptimWrapper', optimizer=dict(lr=2e-4))
+optim_wrapper = dict(optimizer=dict(lr=2e-4))  # AmpOptimWrapper: tools/train.py trains fp32 on CPU
 param_scheduler = [
     dict(type='LinearLR', start_factor=0.01, by_epoch=False, begin=0, end=20),
     dict(type='PolyLR', eta_min=0.0, power=1.0, begin=20, end=max_iters, by_epoch=False),

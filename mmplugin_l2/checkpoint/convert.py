@@ -16,6 +16,8 @@ from .io import check_state_dict_fits, extract_state_dict, load_checkpoint_file
 CLASSIFIER_BACKBONE = {
     'HViT3': dict(out_indices=(3,), out_norm_cfg=dict(type='BN')),
     'ViT3': dict(),
+    'L2ViT': dict(out_indices=(3,), final_norm=True),
+    'ResT': dict(out_indices=(3,)),  # norm3 (LayerNorm) takes the authors' final `norm`
 }
 
 EMA_KEYS = ('state_dict_ema', 'model_ema')

@@ -40,6 +40,29 @@ class ConvStem(nn.Module):
         return self.conv(pad_to_multiple(x, 4))
 
 
+class ConvStem2L(nn.Module):
+    """Two-conv stem of L2ViT (the authors' `ConvStem`, type '2L'), stride 4:
+    (B, in_ch, H, W) -> (B, C, ceil(H/4), ceil(W/4)).
+
+    3x3 s2 p1 (in -> C/2, bias) -> BN2d -> ReLU -> 3x3 s2 p1 (C/2 -> C, bias) -> BN2d, no activation at the
+    end (the paper's table lists only the two convs). The input is first zero-padded right/bottom to a
+    multiple of 4, as the authors do. Keys `proj.{0,1,3,4}.*`, their nn.Sequential.
+    """
+
+    def __init__(self, in_channels, embed_dim):
+        super().__init__()
+        self.proj = nn.Sequential(
+            nn.Conv2d(in_channels, embed_dim // 2, 3, stride=2, padding=1),
+            nn.BatchNorm2d(embed_dim // 2),
+            nn.ReLU(),
+            nn.Conv2d(embed_dim // 2, embed_dim, 3, stride=2, padding=1),
+            nn.BatchNorm2d(embed_dim),
+        )
+
+    def forward(self, x):
+        return self.proj(pad_to_multiple(x, 4))
+
+
 class ConvDownsample(nn.Module):
     """Inverted-bottleneck stride-2 downsampling ("PatchMerging" in H-ViT3):
     (B, C_in, H, W) -> (B, C_out, ceil(H/2), ceil(W/2)).

@@ -1,0 +1,8 @@
+# Mask R-CNN FPN, L2ViT-S, 1x: the T config with the small arch (same widths, 18 blocks in stage 3) and its
+# checkpoint; drop path 0.1 as T.
+_base_ = './mask_rcnn_l2vit_t_1x.py'
+
+model = dict(
+    backbone=dict(arch='small',
+                  init_cfg=dict(type='Pretrained',
+                                checkpoint='data/pretrained/L2ViT-Small-checkpoint-best-ema.pth')))

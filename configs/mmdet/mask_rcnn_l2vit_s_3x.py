@@ -1,0 +1,7 @@
+# Mask R-CNN FPN, L2ViT-S, 3x: the T-3x config with the small arch and its checkpoint; drop path 0.2 as T.
+_base_ = './mask_rcnn_l2vit_t_3x.py'
+
+model = dict(
+    backbone=dict(arch='small',
+                  init_cfg=dict(type='Pretrained',
+                                checkpoint='data/pretrained/L2ViT-Small-checkpoint-best-ema.pth')))

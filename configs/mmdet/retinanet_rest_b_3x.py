@@ -1,0 +1,7 @@
+# RetinaNet FPN, ResT-Base, 3x: the Small 3x config with the base arch. No paper result for the 3x schedule.
+_base_ = './retinanet_rest_s_3x.py'
+
+model = dict(
+    backbone=dict(arch='base', drop_path_rate=0.2,
+                  init_cfg=dict(type='Pretrained', checkpoint='data/pretrained/rest_base.pth')),
+    neck=dict(in_channels=[192, 384, 768]))

@@ -1,0 +1,7 @@
+# RetinaNet FPN, ResT-Lite, 1x: the Small 1x config with the lite arch. No paper result for this pairing.
+_base_ = './retinanet_rest_s_1x.py'
+
+model = dict(
+    backbone=dict(arch='lite', drop_path_rate=0.1,
+                  init_cfg=dict(type='Pretrained', checkpoint='data/pretrained/rest_lite.pth')),
+    neck=dict(in_channels=[128, 256, 512]))

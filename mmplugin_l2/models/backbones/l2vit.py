@@ -1,0 +1,295 @@
+"""L2ViT backbone: "The Linear Attention Resurrection in Vision Transformer" (Zheng, 2024,
+arXiv 2501.16182), official code ChuanyangZheng/L2ViT.
+
+ConvStem2L (stride 4) + LayerNorm -> 4 stages; stage i > 0 opens with a downsampling (LayerNorm -> 2x2 s2
+conv); inside a stage the blocks alternate, starting with a local one:
+
+  LWA (even j):  s = x + CPE(x);  x = s + DropPath(WindowAttention(LN(s)))
+                 x = x + CPE'(x); x = x + DropPath(Mlp(LN(x)))
+  LGA (odd j):   x = x + CPE(x);  x = x + DropPath(LinearAttention(LN(x)))
+                 x = x + DropPath(LCM(LN(x)));  x = x + DropPath(Mlp(LN(x)))
+
+-> per-stage output LayerNorms `norm{i}` on the side branch -> NCHW maps at strides 4, 8, 16, 32.
+
+The state dict has the authors' keys (`downsample_layers.{i}`, `stages.{i}.{j}`), so their classification
+release files load without renaming; `convert_state_dict` drops their `head` and maps / drops their
+final `norm`. Numerics are the authors' (their weights give their stage outputs, see docs/l2vit.md), with
+these documented differences:
+
+* `window_size` is honoured (default 7; 12 for arch 'base-384'). The authors' dense-prediction backbone
+  ignores the argument and always uses 7.
+* Window padding is theirs by default (zero-pad after the LayerNorm, no mask); `mask_window_padding=True`
+  masks the padded keys instead (not the authors' numbers at sizes that are not multiples of 7 * stride).
+* The linear attention's K^T V / denominator run in float32 under autocast (finite fp16 / bf16 at
+  detection sizes); identical in fp32.
+* `frozen_stages`, `norm_eval` and `with_cp` are ours (theirs has none). With `with_cp`, the LCM
+  BatchNorms update their running statistics once per step (not again in the recomputation).
+* Initialisation is the authors' classification one (trunc_normal(0.02) on every Linear and Conv2d, zero
+  biases, LN/BN 1/0); their dense-prediction code uses kaiming for convs, which a pretrained checkpoint
+  overwrites anyway.
+
+Padding as theirs: the stem pads right/bottom to a multiple of 4 and each downsampling pads an odd side by
+one, so stage i of an H x W input is ceil(H / 2^(i+2)) x ceil(W / 2^(i+2)).
+"""
+import contextlib
+from functools import partial
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as cp
+from mmcv.cnn.bricks import DropPath
+from mmengine.model.weight_init import trunc_normal_
+from mmengine.registry import MODELS
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..layers import (CPE, LCM, ConvStem2L, LinearAttention, Mlp, WindowAttention, map_to_tokens,
+                      pad_to_multiple, tokens_to_map)
+from ..pyramid import PyramidBackbone, resolve_arch
+
+
+def _init_authors(m):
+    """The authors' classification init: trunc_normal(0.02) on Linear and Conv2d weights, zero biases."""
+    if isinstance(m, (nn.Linear, nn.Conv2d)):
+        trunc_normal_(m.weight, std=.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+
+class ResidualCPE(nn.Module):
+    """x + CPE(x) on tokens (B, N, C) of an (H, W) map (the authors' `CPE`, conv under key `proj`).
+
+    The conv runs on a contiguous NCHW map, as theirs (a channels-last view gives other conv kernels and
+    ~1e-7 rounding differences)."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.proj = CPE(dim, 3)
+
+    def forward(self, x, hw_shape):
+        feat = nn.Conv2d.forward(self.proj, tokens_to_map(x, hw_shape).contiguous())
+        return x + map_to_tokens(feat)
+
+
+class L2ViTStem(nn.Module):
+    """Image (B, 3, H, W) -> tokens (B, N, C) after ConvStem2L and a LayerNorm, with their (H/4, W/4)."""
+
+    def __init__(self, in_channels, embed_dim):
+        super().__init__()
+        self.proj = ConvStem2L(in_channels, embed_dim)
+        self.norm = nn.LayerNorm(embed_dim)
+
+    def forward(self, x):
+        x = self.proj(x)
+        hw = tuple(x.shape[-2:])
+        return self.norm(map_to_tokens(x)), hw
+
+
+class L2ViTDownsample(nn.Module):
+    """Tokens (B, H*W, C_in) -> LayerNorm -> map, odd sides zero-padded by one -> Conv2x2 s2 ->
+    tokens (B, ceil(H/2)*ceil(W/2), C_out) with their map size. No norm after the conv."""
+
+    def __init__(self, in_channels, out_channels):
+        super().__init__()
+        self.norm = nn.LayerNorm(in_channels)
+        self.proj = nn.Conv2d(in_channels, out_channels, 2, stride=2)
+
+    def forward(self, x, hw_shape):
+        x = pad_to_multiple(tokens_to_map(self.norm(x), hw_shape).contiguous(), 2)
+        x = self.proj(x)
+        return map_to_tokens(x), tuple(x.shape[-2:])
+
+
+class LWABlock(nn.Module):
+    """Local Window Attention block: two CPEs (before attention and before the MLP)."""
+
+    def __init__(self, dim, num_heads, window_size=7, mlp_ratio=4., qkv_bias=True, drop_path=0.,
+                 mask_window_padding=False):
+        super().__init__()
+        self.cpe = nn.ModuleList([ResidualCPE(dim), ResidualCPE(dim)])
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = WindowAttention(dim, num_heads, window_size, qkv_bias=qkv_bias,
+                                    mask_padding=mask_window_padding)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio))
+
+    def forward(self, x, hw_shape):
+        x = self.cpe[0](x, hw_shape)
+        x = x + self.drop_path(self.attn(self.norm1(x), hw_shape))
+        x = self.cpe[1](x, hw_shape)
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class LGABlock(nn.Module):
+    """Linear Global Attention block: CPE, linear attention, LCM (its own residual branch), MLP."""
+
+    def __init__(self, dim, num_heads, mlp_ratio=4., qkv_bias=True, drop_path=0., lcm_kernel=7):
+        super().__init__()
+        self.cpe = nn.ModuleList([ResidualCPE(dim)])
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = LinearAttention(dim, num_heads, qkv_bias=qkv_bias)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio))
+        self.norm3 = nn.LayerNorm(dim)
+        self.local_mp = LCM(dim, lcm_kernel)
+
+    def forward(self, x, hw_shape):
+        x = self.cpe[0](x, hw_shape)
+        x = x + self.drop_path(self.attn(self.norm1(x)))
+        x = x + self.drop_path(self.local_mp(self.norm3(x), hw_shape))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+@contextlib.contextmanager
+def _frozen_bn_statistics(module):
+    """BatchNorms keep normalising with batch statistics but do not update their running ones (momentum
+    0): the recomputation of a checkpointed block must not count the batch twice."""
+    bns = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.training]
+    saved = [(m.momentum, m.num_batches_tracked.clone() if m.num_batches_tracked is not None else None)
+             for m in bns]
+    for m in bns:
+        m.momentum = 0.
+    try:
+        yield
+    finally:
+        for m, (momentum, tracked) in zip(bns, saved):
+            m.momentum = momentum
+            if tracked is not None:
+                m.num_batches_tracked.copy_(tracked)
+
+
+def _checkpoint_contexts(block):
+    return contextlib.nullcontext(), _frozen_bn_statistics(block)
+
+
+@MODELS.register_module()
+class L2ViT(PyramidBackbone):
+    """L2ViT backbone.
+
+    Args:
+        arch (str | dict): 'tiny', 'small', 'base', 'base-384' (aliases 't', 's', 'b', 'b-384') or a dict
+            with `embed_dims`, `depths` (blocks per stage, LWA and LGA alternating, LWA first), `num_heads`
+            (4 entries each) and optionally `window_size`. Default: 'tiny'.
+        in_channels (int): image channels. Default: 3.
+        window_size (int | None): LWA window; None takes the arch's (7; 12 for 'base-384'). Default: None.
+        mask_window_padding (bool): mask the window padding out of the LWA softmax. Off by default: the
+            authors zero-pad after the LayerNorm without a mask (padded tokens carry the qkv bias into the
+            border windows); their weights reproduce their numbers only that way. Default: False.
+        mlp_ratio (float): Default: 4. qkv_bias (bool): Default: True.
+        drop_path_rate (float): stochastic depth, linear over all blocks (each LWA and LGA block its own
+            rate, as the authors). Default: 0.1.
+        out_indices (Sequence[int]): stages to return. Default: (0, 1, 2, 3).
+        final_norm (bool): the output LayerNorm of the last stage is the authors' final classification
+            norm: their `norm.*` loads into `norm{last}` (LN per token then global average pooling equals
+            their classifier's LN -> mean). False (dense prediction, as the authors): fresh output norms,
+            their `norm.*` is dropped. Default: False.
+        frozen_stages (int): -1 none, 0 the stem, i the stem and stages 0..i-1 (each with its opening
+            downsampling and its output norm). Default: -1.
+        norm_eval (bool): keep the BatchNorms (stem, LCMs) in eval mode while training. Default: False
+            (the authors fine-tune them in train mode).
+        with_cp (bool): activation checkpointing per block. Default: False.
+        init_cfg (dict | None): dict(type='Pretrained', checkpoint=PATH) loads the authors' release files
+            (`L2ViT-{Tiny,Small,Base}-checkpoint-best-ema.pth`, weights under `model`) or converted ones.
+    """
+    arch_zoo = {
+        **dict.fromkeys(['t', 'tiny'], dict(embed_dims=[96, 192, 384, 768], depths=[2, 2, 6, 2],
+                                            num_heads=[3, 6, 12, 24], window_size=7)),
+        **dict.fromkeys(['s', 'small'], dict(embed_dims=[96, 192, 384, 768], depths=[2, 2, 18, 2],
+                                             num_heads=[3, 6, 12, 24], window_size=7)),
+        **dict.fromkeys(['b', 'base'], dict(embed_dims=[128, 256, 512, 1024], depths=[2, 2, 18, 2],
+                                            num_heads=[4, 8, 16, 32], window_size=7)),
+        **dict.fromkeys(['b-384', 'base-384'], dict(embed_dims=[128, 256, 512, 1024], depths=[2, 2, 18, 2],
+                                                    num_heads=[4, 8, 16, 32], window_size=12)),
+    }
+
+    def __init__(self, arch='tiny', in_channels=3, window_size=None, mask_window_padding=False,
+                 mlp_ratio=4., qkv_bias=True, drop_path_rate=0.1, out_indices=(0, 1, 2, 3), final_norm=False,
+                 frozen_stages=-1, norm_eval=False, with_cp=False, init_cfg=None):
+        super().__init__(init_cfg=init_cfg)
+        self.arch_settings = a = resolve_arch(arch, self.arch_zoo, ('embed_dims', 'depths', 'num_heads'),
+                                              'L2ViT')
+        self.arch_desc = arch if isinstance(arch, str) else 'custom'
+        dims, depths, heads = a['embed_dims'], a['depths'], a['num_heads']
+        if not len(dims) == len(depths) == len(heads):
+            raise ValueError(f'L2ViT: embed_dims, depths and num_heads need one entry per stage, got '
+                             f'{dims}, {depths}, {heads}')
+        self.window_size = window_size if window_size is not None else a.get('window_size', 7)
+        self.mask_window_padding = mask_window_padding
+        self.final_norm = final_norm
+        dpr = [r.item() for r in torch.linspace(0, drop_path_rate, sum(depths), device='cpu')]
+
+        self.downsample_layers = nn.ModuleList([L2ViTStem(in_channels, dims[0])])
+        self.downsample_layers.extend(L2ViTDownsample(dims[i - 1], dims[i]) for i in range(1, len(dims)))
+        self.stages = nn.ModuleList()
+        for i, (dim, depth, nh) in enumerate(zip(dims, depths, heads)):
+            rates = dpr[sum(depths[:i]):sum(depths[:i + 1])]
+            self.stages.append(nn.ModuleList([
+                LWABlock(dim, nh, self.window_size, mlp_ratio, qkv_bias, rates[j], mask_window_padding)
+                if j % 2 == 0 else LGABlock(dim, nh, mlp_ratio, qkv_bias, rates[j])
+                for j in range(depth)]))
+        self.apply(_init_authors)
+        self._init_pyramid(in_channels, dims, out_indices, frozen_stages, norm_eval, with_cp,
+                           dict(type='LN'))
+        if final_norm and len(dims) - 1 not in self.out_indices:
+            raise ValueError(f'L2ViT: final_norm=True needs the last stage ({len(dims) - 1}) in out_indices, '
+                             f'got {self.out_indices}')
+
+    # The stem and stage i (with its opening downsampling), as PyramidBackbone sees them for freezing.
+    # Properties, not second registrations: aliases would duplicate the keys in `state_dict()`.
+    @property
+    def patch_embed(self):
+        return self.downsample_layers[0]
+
+    @property
+    def layers(self):
+        return [nn.ModuleList([self.stages[0]])] + [
+            nn.ModuleList([self.downsample_layers[i], self.stages[i]]) for i in range(1, self.num_stages)]
+
+    def run_block(self, block, x, *args):
+        """As PyramidBackbone.run_block, but BatchNorm running statistics are updated only once per step
+        under activation checkpointing (not again when the block is recomputed in the backward)."""
+        if self.with_cp and torch.is_grad_enabled() and x.requires_grad:
+            return cp.checkpoint(block, x, *args, use_reentrant=False,
+                                 context_fn=partial(_checkpoint_contexts, block))
+        return block(x, *args)
+
+    def forward(self, x):
+        self.check_input(x)
+        outs = []
+        for i in range(self.num_stages):
+            if i == 0:
+                x, hw = self.downsample_layers[0](x)
+            else:
+                x, hw = self.downsample_layers[i](x, hw)
+            for block in self.stages[i]:
+                x = self.run_block(block, x, hw)
+            if i in self.out_indices:
+                outs.append(self.stage_output(i, tokens_to_map(x, hw)))
+        return tuple(outs)
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def _final_norm_name(self):
+        return f'norm{self.num_stages - 1}' if self.final_norm else None
+
+    def keys_not_in_pretrained(self):
+        """The output norms start fresh from a classification checkpoint (but `final_norm`'s)."""
+        fresh = {f'norm{i}' for i in self.out_indices} - {self._final_norm_name()}
+        return [k for k in self.state_dict() if k.split('.')[0] in fresh]
+
+    def convert_state_dict(self, state_dict):
+        """The authors' checkpoints -> ours. Keys are shared unchanged; their classifier `head.*` is
+        dropped; their final LayerNorm `norm.*` goes to `norm{last}` with `final_norm`, else it is dropped
+        (their dense-prediction models start with fresh output norms). Anything else that does not fit
+        is reported by the loader."""
+        final = self._final_norm_name()
+        out = {}
+        for k, v in state_dict.items():
+            if k.startswith('head.'):
+                continue
+            if k.startswith('norm.'):
+                if final is not None:
+                    out[f'{final}.{k[5:]}'] = v
+                continue
+            out[k] = v
+        return out

@@ -1,0 +1,91 @@
+"""L2ViT's enhanced linear attention and its Local Concentration Module (LCM).
+
+`LinearAttention` (the "Linear Global Attention" of L2ViT), per head h with q, k, v of shape (N, d):
+
+    Q = ReLU(q), K = ReLU(k)                                   (kernel feature map; V stays raw)
+    out_i = Q_i (K^T V) t_h / max(Q_i . sum_j K_j, 100)
+
+* t_h is the learnable per-head multiplier `temperature` (heads, 1, 1), initialised to d^-0.5; it scales
+  K^T V only, not the denominator (the paper's "s" is its reciprocal).
+* The denominator is clamped from below at 100 (`clamp_min`), per head and per query token, with no eps and
+  no upper bound: exactly the authors' `torch.clamp(q @ k.sum, 1e2)`. The clamp is active in practice (on
+  small late-stage maps most denominators are below 100).
+* K^T V and the denominator are sums over all N tokens. Under fp16 autocast they overflow at detection sizes
+  (N ~ 10^5 at 1248 x 1248), so that part (from q, k, v to the normalised output) runs in float32 with
+  autocast off (`fp32_reduce=True`, the default; a no-op in fp32). The authors train in fp32 only and have
+  no such guard.
+Tokens (B, N, C) in, (B, N, C) out; qkv = Linear(C, 3C) (bias in L2ViT), proj = Linear(C, C).
+
+`LCM`: the local concentration module, on tokens (B, N, C) of an (H, W) map, returning (B, N, C):
+DWConv7x7 -> GELU -> BatchNorm2d -> DWConv7x7 (keys `conv1`, `bn`, `conv2`). No internal residual: the
+block adds it (x = x + LCM(LN(x))).
+"""
+import torch
+import torch.nn as nn
+
+from .cpe import map_to_tokens, tokens_to_map
+
+
+class LinearAttention(nn.Module):
+    """ReLU linear attention with a per-head learnable multiplier on K^T V and a clamped denominator.
+
+    Args:
+        dim (int): channels C. num_heads (int): heads (head_dim d = C / heads).
+        qkv_bias (bool): Default: True (what L2ViT's LGA block passes).
+        clamp_min (float): lower bound of the denominator. Default: 100 (the authors' 1e2).
+        fp32_reduce (bool): compute K^T V, the denominator and the division in float32 with autocast off.
+            Default: True.
+    """
+
+    def __init__(self, dim, num_heads, qkv_bias=True, clamp_min=100., fp32_reduce=True):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f'LinearAttention: dim {dim} is not divisible by num_heads {num_heads}')
+        self.num_heads = num_heads
+        head_dim = dim // num_heads
+        self.clamp_min = clamp_min
+        self.fp32_reduce = fp32_reduce
+        self.temperature = nn.Parameter(torch.full((num_heads, 1, 1), head_dim ** -0.5))
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+
+    def linear_attention(self, q, k, v):
+        """q, k, v (B, heads, N, d), before the feature map -> (B, heads, N, d). The authors' order:
+        denominator Q (sum_j K_j); K^T V times the temperature; Q times that; divided."""
+        q, k = q.relu(), k.relu()
+        denom = torch.clamp(q @ k.transpose(-2, -1).sum(dim=-1, keepdim=True), min=self.clamp_min)
+        kv = (k.transpose(-2, -1) @ v) * self.temperature
+        return (q @ kv) / denom
+
+    def forward(self, x):
+        b, n, c = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, c // self.num_heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        if self.fp32_reduce and qkv.dtype != torch.float64:
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                out = self.linear_attention(q.float(), k.float(), v.float()).to(qkv.dtype)
+        else:
+            out = self.linear_attention(q, k, v)
+        return self.proj(out.transpose(1, 2).reshape(b, n, c))
+
+
+class LCM(nn.Module):
+    """Local concentration module: DWConv(k) -> GELU -> BN2d -> DWConv(k) on the token map.
+
+    Args:
+        dim (int): channels C. kernel_size (int): Default: 7 (L2ViT; the paper's Table 6 ablates 3).
+    """
+
+    def __init__(self, dim, kernel_size=7):
+        super().__init__()
+        pad = kernel_size // 2
+        self.conv1 = nn.Conv2d(dim, dim, kernel_size, padding=pad, groups=dim)
+        self.act = nn.GELU()
+        self.bn = nn.BatchNorm2d(dim)
+        self.conv2 = nn.Conv2d(dim, dim, kernel_size, padding=pad, groups=dim)
+
+    def forward(self, x, hw_shape):
+        # contiguous NCHW (not the channels-last view of the tokens): the conv kernels, and with them the
+        # rounding, are then the authors'
+        x = tokens_to_map(x, hw_shape).contiguous()
+        return map_to_tokens(self.conv2(self.bn(self.act(self.conv1(x)))))

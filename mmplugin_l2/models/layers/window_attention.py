@@ -1,0 +1,102 @@
+"""Local window attention (W-MSA, as Swin without shift), L2ViT's "Local Window Attention" (LWA).
+
+The token map (B, N = H*W, C) is zero-padded right/bottom to multiples of the window size w, cut into
+non-overlapping w x w windows, multi-head softmax attention runs inside each window, and the windows are put
+back and cropped to H x W: (B, N, C) in, (B, N, C) out.
+
+* No relative position bias and no shift (L2ViT's CPE replaces the bias); qkv = Linear(C, 3C), output
+  projection Linear(C, C) (keys `qkv.*`, `proj.*`, the authors' layout).
+* Padding, the authors' way (default): padded positions enter the attention as the zero vector, so their
+  keys/values are the qkv bias and they take part in the softmax of border windows (like Swin's unshifted
+  W-MSA). `mask_padding=True` instead masks the padded keys out (-inf before the softmax): the result then
+  does not depend on how much padding a border window gets, but no longer equals the authors' numbers at
+  sizes that are not multiples of w. Every window holds at least one real token (padding < w), so no row is
+  fully masked.
+
+Helpers: `window_partition` (B, H, W, C) -> (B * nW, w*w, C) and `window_reverse` back.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def window_partition(x, window_size):
+    """(B, H, W, C) with H, W multiples of w -> (B * H/w * W/w, w*w, C), windows in row-major order."""
+    b, h, w, c = x.shape
+    ws = window_size
+    x = x.view(b, h // ws, ws, w // ws, ws, c).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(-1, ws * ws, c)
+
+
+def window_reverse(windows, window_size, h, w):
+    """(B * H/w * W/w, w*w, C) -> (B, H, W, C); the inverse of `window_partition`."""
+    ws = window_size
+    c = windows.shape[-1]
+    b = windows.shape[0] // ((h // ws) * (w // ws))
+    x = windows.view(b, h // ws, w // ws, ws, ws, c).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(b, h, w, c)
+
+
+def padding_key_mask(hw_shape, padded_shape, window_size, device):
+    """Bool (nW, w*w): True where a window position lies in the right/bottom padding."""
+    h, w = hw_shape
+    hp, wp = padded_shape
+    pad = torch.ones(1, hp, wp, 1, dtype=torch.bool, device=device)
+    pad[:, :h, :w] = False
+    return window_partition(pad, window_size)[..., 0]
+
+
+class WindowAttention(nn.Module):
+    """Multi-head softmax attention inside non-overlapping w x w windows of a token map.
+
+    Args:
+        dim (int): channels C. num_heads (int): heads (head_dim = C / heads).
+        window_size (int): w. Default: 7.
+        qkv_bias (bool): Default: True.
+        mask_padding (bool): mask the right/bottom padding out of the attention instead of the authors'
+            zero-padding without mask. Default: False.
+
+    forward(x, hw_shape): x (B, H*W, C) tokens of an (H, W) map -> (B, H*W, C).
+    """
+
+    def __init__(self, dim, num_heads, window_size=7, qkv_bias=True, mask_padding=False):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f'WindowAttention: dim {dim} is not divisible by num_heads {num_heads}')
+        self.dim = dim
+        self.num_heads = num_heads
+        self.window_size = window_size
+        self.mask_padding = mask_padding
+        self.scale = (dim // num_heads) ** -0.5
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+
+    def attention(self, x, key_mask=None):
+        """MHSA over the tokens of each window: x (B', n, C) -> (B', n, C). `key_mask` (B', n) bool, True =
+        ignore that key. q is scaled before q k^T, as the authors (bit-identical in fp32)."""
+        bw, n, c = x.shape
+        qkv = self.qkv(x).reshape(bw, n, 3, self.num_heads, c // self.num_heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        attn = (q * self.scale) @ k.transpose(-2, -1)
+        if key_mask is not None:
+            attn = attn.masked_fill(key_mask[:, None, None, :], float('-inf'))
+        out = attn.softmax(dim=-1) @ v
+        return self.proj(out.transpose(1, 2).reshape(bw, n, c))
+
+    def forward(self, x, hw_shape):
+        b, n, c = x.shape
+        h, w = hw_shape
+        ws = self.window_size
+        x = x.view(b, h, w, c)
+        pad_b, pad_r = (-h) % ws, (-w) % ws
+        if pad_b or pad_r:
+            x = F.pad(x, (0, 0, 0, pad_r, 0, pad_b))
+        hp, wp = h + pad_b, w + pad_r
+        windows = window_partition(x, ws)
+        key_mask = None
+        if self.mask_padding and (pad_b or pad_r):
+            key_mask = padding_key_mask((h, w), (hp, wp), ws, x.device).repeat(b, 1)
+        x = window_reverse(self.attention(windows, key_mask), ws, hp, wp)
+        if pad_b or pad_r:
+            x = x[:, :h, :w, :]
+        return x.reshape(b, h * w, c)

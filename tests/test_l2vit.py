@@ -1,0 +1,583 @@
+"""L2ViT: window attention, linear attention + clamp, LCM against slow references; shapes at odd sizes;
+AMP; freezing, norm_eval, with_cp; parameter counts; registries; the authors' checkpoint layout, loading
+and conversion."""
+import argparse
+import math
+import os.path as osp
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from conftest import ROOT, TINY_L2VIT
+from mmplugin_l2 import L2ViT
+from mmplugin_l2.models.backbones.l2vit import LGABlock, LWABlock
+from mmplugin_l2.models.layers import LCM, LinearAttention, WindowAttention, window_partition, window_reverse
+
+TINY = TINY_L2VIT
+
+
+def n_params(m):
+    return sum(p.numel() for p in m.parameters())
+
+
+def randomize_norms(model, seed=0):
+    """Non-trivial LN / BN affine and BN statistics (defaults 1/0 would hide mistakes)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (nn.LayerNorm, nn.BatchNorm2d)):
+                m.weight.copy_(1 + 0.2 * torch.randn(m.weight.shape, generator=g))
+                m.bias.copy_(0.2 * torch.randn(m.bias.shape, generator=g))
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.copy_(0.3 * torch.randn(m.running_mean.shape, generator=g))
+                m.running_var.copy_(0.5 + torch.rand(m.running_var.shape, generator=g))
+    return model
+
+
+# ---------------------------------------------------------------- shapes
+@pytest.mark.parametrize('size', [(64, 64), (63, 97), (250, 333), (33, 31), (8, 8), (1, 5)])
+def test_shapes_and_strides(size):
+    m = L2ViT(arch=TINY).eval()
+    with torch.no_grad():
+        outs = m(torch.randn(2, 3, *size))
+    assert len(outs) == 4
+    for i, (o, c) in enumerate(zip(outs, TINY['embed_dims'])):
+        s = 2 ** (i + 2)
+        assert o.shape == (2, c, math.ceil(size[0] / s), math.ceil(size[1] / s)), (i, o.shape)
+        assert torch.isfinite(o).all()
+
+
+def test_real_tiny_width_shapes_at_odd_size():
+    """The authors' measured map sizes for DET-T at 250 x 330 (reference section 4)."""
+    m = L2ViT('tiny').eval()
+    with torch.no_grad():
+        outs = m(torch.randn(1, 3, 250, 330))
+    assert [tuple(o.shape[1:]) for o in outs] == [(96, 63, 83), (192, 32, 42), (384, 16, 21), (768, 8, 11)]
+
+
+def test_out_indices_and_out_channels():
+    m = L2ViT(arch=TINY, out_indices=(1, 2, 3)).eval()
+    outs = m(torch.randn(1, 3, 64, 64))
+    assert [o.shape[1] for o in outs] == [32, 64, 64] == m.out_channels
+    assert all(hasattr(m, f'norm{i}') for i in (1, 2, 3)) and not hasattr(m, 'norm0')
+    assert isinstance(m.norm1, nn.LayerNorm) and m.norm1.eps == 1e-5
+
+
+def test_block_layout_and_window_size():
+    with torch.device('meta'):  # the real widths, without allocating them
+        m = L2ViT('small')
+        b384 = L2ViT('base-384')
+        rates = [b.drop_path.drop_prob if not isinstance(b.drop_path, nn.Identity) else 0.
+                 for s in L2ViT('small', drop_path_rate=0.3).stages for b in s]
+    kinds = [['W' if isinstance(b, LWABlock) else 'G' for b in stage] for stage in m.stages]
+    assert [''.join(k) for k in kinds] == ['WG', 'WG', 'WG' * 9, 'WG']
+    assert all(b.attn.window_size == 7 for s in m.stages for b in s if isinstance(b, LWABlock))
+    assert b384.window_size == 12 and b384.stages[2][4].attn.window_size == 12
+    assert L2ViT(arch=TINY, window_size=5).stages[0][0].attn.window_size == 5
+    # drop path: linspace over all 24 single blocks
+    assert len(rates) == 24 and rates[0] == 0 and rates[-1] == pytest.approx(0.3)
+    assert rates[1] == pytest.approx(0.3 / 23)
+
+
+def test_state_dict_has_the_authors_layout():
+    """Keys and shapes of the authors' L2ViT-T (classification file: 284 keys; here with norm0-3 instead of
+    norm + head)."""
+    sd = L2ViT('tiny').state_dict()
+    assert len(sd) == 284 - 4 + 8
+    shapes = {
+        'downsample_layers.0.proj.proj.0.weight': (48, 3, 3, 3), 'downsample_layers.0.proj.proj.0.bias': (48,),
+        'downsample_layers.0.proj.proj.1.running_var': (48,), 'downsample_layers.0.proj.proj.3.weight': (96, 48, 3, 3),
+        'downsample_layers.0.proj.proj.4.num_batches_tracked': (), 'downsample_layers.0.norm.weight': (96,),
+        'downsample_layers.1.norm.weight': (96,), 'downsample_layers.1.proj.weight': (192, 96, 2, 2),
+        'stages.0.0.cpe.0.proj.weight': (96, 1, 3, 3), 'stages.0.0.cpe.1.proj.bias': (96,),
+        'stages.0.0.attn.qkv.weight': (288, 96), 'stages.0.0.attn.qkv.bias': (288,),
+        'stages.0.0.attn.proj.weight': (96, 96), 'stages.0.0.mlp.fc1.weight': (384, 96),
+        'stages.2.5.attn.temperature': (12, 1, 1), 'stages.2.5.local_mp.conv1.weight': (384, 1, 7, 7),
+        'stages.2.5.local_mp.bn.running_mean': (384,), 'stages.2.5.local_mp.conv2.bias': (384,),
+        'stages.2.5.norm3.weight': (384,), 'stages.3.1.mlp.fc2.weight': (768, 3072), 'norm3.bias': (768,),
+    }
+    for k, s in shapes.items():
+        assert tuple(sd[k].shape) == s, k
+    assert 'stages.2.5.cpe.1.proj.weight' not in sd and 'stages.2.4.local_mp.conv1.weight' not in sd
+    assert {k.split('.')[0] for k in sd} == {'downsample_layers', 'stages', 'norm0', 'norm1', 'norm2', 'norm3'}
+    temps = [v for k, v in sd.items() if k.endswith('temperature')]
+    assert sum(t.numel() for t in temps) == 69
+    assert all(torch.allclose(t, torch.full_like(t, 32 ** -0.5)) for t in temps)
+
+
+# ---------------------------------------------------------------- parameter counts (real widths)
+@pytest.mark.parametrize('arch,det,cls', [('tiny', 27_829_125, 28_596_781), ('small', 49_431_501, 50_199_157),
+                                          ('base', 87_553_980, 88_577_188), ('base-384', 87_553_980, 88_577_188)])
+def test_param_counts(arch, det, cls):
+    """Official counts (reference section 8): dense-prediction backbone with norm0-3; classifier = backbone
+    with the final norm on stage 3 + 1000-way linear head."""
+    with torch.device('meta'):
+        assert n_params(L2ViT(arch=arch)) == det
+        m = L2ViT(arch=arch, out_indices=(3,), final_norm=True)
+    c = m.out_channels[0]
+    assert n_params(m) + c * 1000 + 1000 == cls
+
+
+# ---------------------------------------------------------------- window attention
+def naive_window_attention(attn, x, hw, ws, mask_padding=False):
+    """Loop over the windows of the zero-padded map, float64 softmax attention per window."""
+    b, n, c = x.shape
+    h, w = hw
+    hp, wp = math.ceil(h / ws) * ws, math.ceil(w / ws) * ws
+    xm = torch.zeros(b, hp, wp, c, dtype=x.dtype)
+    xm[:, :h, :w] = x.view(b, h, w, c)
+    valid = torch.zeros(hp, wp, dtype=torch.bool)
+    valid[:h, :w] = True
+    out = torch.zeros_like(xm)
+    nh, d = attn.num_heads, c // attn.num_heads
+    for bi in range(b):
+        for r in range(0, hp, ws):
+            for s in range(0, wp, ws):
+                t = xm[bi, r:r + ws, s:s + ws].reshape(-1, c)
+                keep = valid[r:r + ws, s:s + ws].reshape(-1)
+                qkv = t @ attn.qkv.weight.T + attn.qkv.bias
+                heads = []
+                for hd in range(nh):
+                    q = qkv[:, hd * d:(hd + 1) * d]
+                    k = qkv[:, c + hd * d:c + (hd + 1) * d]
+                    v = qkv[:, 2 * c + hd * d:2 * c + (hd + 1) * d]
+                    logits = q @ k.T / math.sqrt(d)
+                    if mask_padding:
+                        logits[:, ~keep] = float('-inf')
+                    p = torch.exp(logits - logits.max(-1, keepdim=True).values)
+                    heads.append((p / p.sum(-1, keepdim=True)) @ v)
+                out[bi, r:r + ws, s:s + ws] = (torch.cat(heads, -1) @ attn.proj.weight.T
+                                               + attn.proj.bias).view(ws, ws, c)
+    return out[:, :h, :w].reshape(b, h * w, c)
+
+
+def test_window_partition_roundtrip():
+    x = torch.randn(2, 14, 21, 3)
+    win = window_partition(x, 7)
+    assert win.shape == (2 * 2 * 3, 49, 3)
+    assert torch.equal(win[1].view(7, 7, 3), x[0, :7, 7:14])  # second window of the first image
+    assert torch.equal(window_reverse(win, 7, 14, 21), x)
+
+
+@pytest.mark.parametrize('mask_padding', [False, True])
+@pytest.mark.parametrize('hw', [(7, 14), (9, 11), (3, 2)])
+def test_window_attention_against_naive(hw, mask_padding):
+    attn = WindowAttention(16, 2, window_size=7, mask_padding=mask_padding).double()
+    with torch.no_grad():
+        attn.qkv.bias.normal_()  # the padded keys/values are the qkv bias: make it count
+        attn.qkv.weight.mul_(20)
+    x = torch.randn(2, hw[0] * hw[1], 16, dtype=torch.float64)
+    ref = naive_window_attention(attn, x, hw, 7, mask_padding)
+    torch.testing.assert_close(attn(x, hw), ref, rtol=0, atol=1e-12)
+
+
+def test_window_padding_is_unmasked_by_default():
+    """The authors' padding lets padded tokens into border windows: default and masked differ exactly when
+    the map is not a multiple of the window."""
+    a = WindowAttention(16, 2, 7)
+    b = WindowAttention(16, 2, 7, mask_padding=True)
+    b.load_state_dict(a.state_dict())
+    with torch.no_grad():
+        a.qkv.bias.normal_()
+        b.qkv.bias.copy_(a.qkv.bias)
+    x = torch.randn(1, 14 * 7, 16)
+    assert torch.equal(a(x, (14, 7)), b(x, (14, 7)))
+    x = torch.randn(1, 10 * 9, 16)
+    assert not torch.allclose(a(x, (10, 9)), b(x, (10, 9)), atol=1e-4)
+    m = L2ViT(arch=TINY, mask_window_padding=True)
+    assert all(blk.attn.mask_padding for s in m.stages for blk in s if isinstance(blk, LWABlock))
+    assert not L2ViT(arch=TINY).stages[0][0].attn.mask_padding
+
+
+# ---------------------------------------------------------------- linear attention and the clamp
+def explicit_linear_attention(attn, x, clamp_min=100.):
+    """Softmax-free attention with the explicit N x N matrix A = ReLU(Q) ReLU(K)^T per head:
+    out_i = t_h sum_j A_ij v_j / max(sum_j A_ij, clamp_min)."""
+    b, n, c = x.shape
+    nh = attn.num_heads
+    d = c // nh
+    qkv = x @ attn.qkv.weight.T + attn.qkv.bias
+    outs = []
+    for hd in range(nh):
+        q = qkv[..., hd * d:(hd + 1) * d].relu()
+        k = qkv[..., c + hd * d:c + (hd + 1) * d].relu()
+        v = qkv[..., 2 * c + hd * d:2 * c + (hd + 1) * d]
+        a = q @ k.transpose(-2, -1)                                   # (B, N, N)
+        den = a.sum(-1, keepdim=True).clamp(min=clamp_min)
+        outs.append(attn.temperature[hd, 0, 0] * (a @ v) / den)
+    return torch.cat(outs, -1) @ attn.proj.weight.T + attn.proj.bias, (a.sum(-1) < clamp_min)
+
+
+def test_linear_attention_against_explicit_matrix():
+    torch.manual_seed(0)
+    attn = LinearAttention(32, 2).double()
+    with torch.no_grad():
+        attn.temperature.copy_(torch.tensor([0.3, -0.7]).view(2, 1, 1))
+        attn.qkv.bias.normal_(0, 0.2)
+    x = torch.randn(3, 40, 32, dtype=torch.float64) * torch.linspace(0.2, 3., 40)[None, :, None]
+    ref, clamped = explicit_linear_attention(attn, x)
+    assert 0 < clamped.double().mean() < 1, 'the test needs clamped and unclamped tokens'
+    torch.testing.assert_close(attn(x), ref, rtol=0, atol=1e-12)
+
+
+def test_clamp_is_active_and_exact():
+    """One head, q = k = v = x, identity projection, temperature 1: out_i = x_i (sum_j x_j^T x_j) /
+    max(x_i . sum_j x_j, 100), computed by hand. Tokens below 100 are divided by exactly 100."""
+    attn = LinearAttention(2, 1).double()
+    assert attn.clamp_min == 100.
+    with torch.no_grad():
+        attn.qkv.weight.copy_(torch.eye(2).repeat(3, 1))
+        attn.qkv.bias.zero_()
+        attn.proj.weight.copy_(torch.eye(2))
+        attn.proj.bias.zero_()
+        attn.temperature.fill_(1.)
+    x = torch.tensor([[[1., 0.5], [2., 1.], [0.1, 0.2], [6., 3.], [4., 8.]]], dtype=torch.float64)
+    s = x[0].sum(0)                  # sum_j k_j
+    kv = x[0].T @ x[0]               # sum_j k_j^T v_j
+    den = x[0] @ s
+    assert (den < 100).any() and (den > 100).any()
+    expected = (x[0] @ kv) / torch.maximum(den, torch.tensor(100., dtype=torch.float64))[:, None]
+    got = attn(x)[0]
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    small = den < 100
+    torch.testing.assert_close(got[small], (x[0] @ kv)[small] / 100, rtol=0, atol=1e-12)
+    # and the clamp matters: without it those tokens differ
+    attn.clamp_min = 1e-6
+    assert not torch.allclose(attn(x)[0][small], got[small])
+    # every LGA block of the backbone uses the authors' bound
+    assert all(b.attn.clamp_min == 100. for s in L2ViT(arch=TINY).stages for b in s if isinstance(b, LGABlock))
+
+
+def test_linear_attention_fp16_autocast_stays_finite():
+    """Large activations over many tokens: K^T V and the denominator exceed fp16's 65504. With the fp32
+    reduction the output is finite and matches fp32; the same computation in fp16 overflows."""
+    torch.manual_seed(0)
+    n, c = 8192, 32
+    attn = LinearAttention(c, 1)
+    with torch.no_grad():
+        attn.qkv.weight.copy_(torch.eye(c).repeat(3, 1) * 4)
+        attn.qkv.bias.fill_(1.)
+    x = torch.rand(1, n, c) * 3
+    ref = attn(x)
+    with torch.no_grad():
+        qkv = attn.qkv(x).reshape(1, n, 3, 1, c).permute(2, 0, 3, 1, 4).half()
+        assert torch.isinf(qkv[1].relu().transpose(-2, -1) @ qkv[2]).any(), 'K^T V must overflow fp16'
+    for dtype in (torch.float16, torch.bfloat16):
+        with torch.autocast('cpu', dtype=dtype):
+            out = attn(x)
+        assert out.dtype == dtype and torch.isfinite(out).all()
+        torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
+    attn.fp32_reduce = False
+    with torch.autocast('cpu', dtype=torch.float16):
+        assert not torch.isfinite(attn(x)).all(), 'without the fp32 reduction fp16 overflows'
+
+
+def test_backbone_bf16_autocast_finite():
+    m = L2ViT(arch=TINY).eval()
+    x = torch.randn(1, 3, 320, 352) * 3
+    with torch.no_grad():
+        ref = m(x)
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            outs = m(x)
+    for o, r in zip(outs, ref):
+        assert torch.isfinite(o).all()
+        assert (o.float() - r).abs().mean() < 0.1 * r.abs().mean()
+
+
+# ---------------------------------------------------------------- LCM
+def slow_dwconv(x, weight, bias):
+    """Depth-wise 'same' convolution as an explicit sum over kernel offsets (zero padding)."""
+    b, c, h, w = x.shape
+    k = weight.shape[-1]
+    p = k // 2
+    xp = torch.zeros(b, c, h + 2 * p, w + 2 * p, dtype=x.dtype)
+    xp[:, :, p:p + h, p:p + w] = x
+    out = torch.zeros_like(x) + bias.view(1, c, 1, 1)
+    for i in range(k):
+        for j in range(k):
+            out += weight[:, 0, i, j].view(1, c, 1, 1) * xp[:, :, i:i + h, j:j + w]
+    return out
+
+
+@pytest.mark.parametrize('train', [False, True])
+def test_lcm_against_slow_reference(train):
+    lcm = randomize_norms(LCM(6)).double().train(train)
+    with torch.no_grad():
+        for conv in (lcm.conv1, lcm.conv2):
+            conv.bias.normal_()
+    h, w = 9, 5
+    x = torch.randn(2, h * w, 6, dtype=torch.float64)
+    rm, rv = lcm.bn.running_mean.clone(), lcm.bn.running_var.clone()
+    got = lcm(x, (h, w))
+    m = x.transpose(1, 2).reshape(2, 6, h, w)
+    y = slow_dwconv(m, lcm.conv1.weight, lcm.conv1.bias)
+    y = 0.5 * y * (1 + torch.erf(y / math.sqrt(2)))                  # exact GELU
+    if train:
+        mean, var = y.mean((0, 2, 3)), y.var((0, 2, 3), unbiased=False)
+    else:
+        mean, var = rm, rv
+    y = (y - mean.view(1, -1, 1, 1)) / torch.sqrt(var.view(1, -1, 1, 1) + 1e-5)
+    y = y * lcm.bn.weight.view(1, -1, 1, 1) + lcm.bn.bias.view(1, -1, 1, 1)
+    y = slow_dwconv(y, lcm.conv2.weight, lcm.conv2.bias)
+    torch.testing.assert_close(got, y.flatten(2).transpose(1, 2), rtol=0, atol=1e-12)
+    assert lcm.conv1.kernel_size == (7, 7) and lcm.conv1.groups == 6
+
+
+# ---------------------------------------------------------------- the blocks against the paper's equations
+def test_blocks_compose_as_the_authors():
+    torch.manual_seed(0)
+    hw = (9, 10)
+    x = torch.randn(2, 90, 16, dtype=torch.float64)
+
+    def cpe(mod, t):
+        return t + F.conv2d(t.transpose(1, 2).reshape(2, 16, *hw), mod.proj.weight, mod.proj.bias,
+                            padding=1, groups=16).flatten(2).transpose(1, 2)
+
+    lwa = randomize_norms(LWABlock(16, 2, window_size=4)).double().eval()
+    s = cpe(lwa.cpe[0], x)
+    y = s + naive_window_attention(lwa.attn, lwa.norm1(s), hw, 4)
+    y = cpe(lwa.cpe[1], y)
+    y = y + lwa.mlp.fc2(F.gelu(lwa.mlp.fc1(lwa.norm2(y))))
+    torch.testing.assert_close(lwa(x, hw), y, rtol=0, atol=1e-12)
+
+    lga = randomize_norms(LGABlock(16, 2)).double().eval()
+    y = cpe(lga.cpe[0], x)
+    y = y + explicit_linear_attention(lga.attn, lga.norm1(y))[0]
+    y = y + lga.local_mp(lga.norm3(y), hw)                           # LCM residual after the attention one
+    y = y + lga.mlp.fc2(F.gelu(lga.mlp.fc1(lga.norm2(y))))
+    torch.testing.assert_close(lga(x, hw), y, rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------- the official code's outputs
+def test_outputs_equal_the_official_code(tmp_path):
+    """tests/data/l2vit_official_tiny.pt: outputs of the authors' unmodified classification model and
+    detection backbone (narrow arch) for the deterministic weights of l2vit_golden.py, at 64 x 64 and at
+    50 x 75 (window and downsampling padding). Loaded here as a release file through init_cfg."""
+    import l2vit_golden as G
+    gold = torch.load(osp.join(ROOT, 'tests/data/l2vit_official_tiny.pt'), weights_only=True)
+    shapes = {k: v.shape for k, v in L2ViT(arch=G.ARCH, out_indices=(3,), final_norm=True).state_dict().items()}
+    shapes['norm.weight'] = shapes['norm.bias'] = shapes.pop('norm3.weight')
+    del shapes['norm3.bias']
+    shapes['head.weight'], shapes['head.bias'] = (G.NUM_CLASSES, G.ARCH['embed_dims'][-1]), (G.NUM_CLASSES,)
+    assert sorted(shapes) == gold['keys']
+    sd = G.state_dict(shapes)
+    path = tmp_path / 'golden.pth'
+    torch.save({'model': sd}, path)
+    pre = dict(type='Pretrained', checkpoint=str(path))
+    det = L2ViT(arch=G.ARCH, init_cfg=pre)
+    cls = L2ViT(arch=G.ARCH, out_indices=(3,), final_norm=True, init_cfg=pre)
+    det.init_weights(), cls.init_weights()
+    with torch.no_grad():
+        for s, x in G.inputs().items():
+            for o, r in zip(det.eval()(x), gold['det'][s]):
+                torch.testing.assert_close(o, r, rtol=0, atol=1e-5)
+            feat = cls.eval()(x)[0].mean((2, 3))
+            torch.testing.assert_close(feat, gold['features'][s], rtol=0, atol=1e-5)
+            logits = feat @ sd['head.weight'].T + sd['head.bias']
+            torch.testing.assert_close(logits, gold['logits'][s], rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------- freezing, norm_eval, with_cp
+def bns(m):
+    return [x for x in m.modules() if isinstance(x, nn.BatchNorm2d)]
+
+
+def test_frozen_stages():
+    m = L2ViT(arch=TINY, frozen_stages=2)
+    m.train()
+    frozen = [m.downsample_layers[0], m.stages[0], m.downsample_layers[1], m.stages[1], m.norm0, m.norm1]
+    for mod in frozen:
+        assert not mod.training
+        assert all(not p.requires_grad for p in mod.parameters())
+    for mod in (m.downsample_layers[2], m.stages[2], m.stages[3], m.norm2, m.norm3):
+        assert mod.training and all(p.requires_grad for p in mod.parameters())
+    stem_bn, lcm_bn0, lcm_bn2 = m.downsample_layers[0].proj.proj[1], m.stages[0][1].local_mp.bn, \
+        m.stages[2][1].local_mp.bn
+    before = [b.running_mean.clone() for b in (stem_bn, lcm_bn0, lcm_bn2)]
+    sum(o.sum() for o in m(torch.randn(2, 3, 64, 64))).backward()
+    assert torch.equal(stem_bn.running_mean, before[0]) and torch.equal(lcm_bn0.running_mean, before[1])
+    assert not torch.equal(lcm_bn2.running_mean, before[2])
+    assert all(p.grad is None for mod in frozen for p in mod.parameters())
+    assert m.stages[2][1].attn.temperature.grad is not None
+
+
+def test_frozen_stem_only_and_range():
+    m = L2ViT(arch=TINY, frozen_stages=0).train()
+    assert not m.downsample_layers[0].training and m.stages[0].training and m.downsample_layers[1].training
+    with pytest.raises(ValueError, match='frozen_stages'):
+        L2ViT(arch=TINY, frozen_stages=5)
+
+
+def test_norm_eval_keeps_batchnorm_statistics():
+    m = L2ViT(arch=TINY, norm_eval=True)
+    m.train()
+    assert len(bns(m)) == 2 + 4 and all(not bn.training for bn in bns(m))  # stem x2 + one LCM per stage
+    before = [bn.running_var.clone() for bn in bns(m)]
+    m(torch.randn(2, 3, 64, 64))
+    assert all(torch.equal(a, bn.running_var) for a, bn in zip(before, bns(m)))
+    m2 = L2ViT(arch=TINY).train()  # the authors: the BNs train
+    before = [bn.running_var.clone() for bn in bns(m2)]
+    m2(torch.randn(2, 3, 64, 64))
+    assert all(not torch.equal(a, bn.running_var) for a, bn in zip(before, bns(m2)))
+
+
+def test_with_cp_same_outputs_grads_and_bn_statistics():
+    """Also with drop path (the recomputation replays the same masks) and BatchNorms in train mode (their
+    running statistics move once, not twice)."""
+    torch.manual_seed(0)
+    a = L2ViT(arch=TINY, drop_path_rate=0.2)
+    b = L2ViT(arch=TINY, drop_path_rate=0.2, with_cp=True)
+    b.load_state_dict(a.state_dict())
+    a.train(), b.train()
+    x = torch.randn(2, 3, 64, 64)
+    torch.manual_seed(1)
+    oa = a(x)
+    sum(o.square().sum() for o in oa).backward()
+    torch.manual_seed(1)
+    ob = b(x)
+    sum(o.square().sum() for o in ob).backward()
+    for u, v in zip(oa, ob):
+        torch.testing.assert_close(u, v, rtol=0, atol=1e-6)
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
+    for (n, t), u in zip(a.state_dict().items(), b.state_dict().values()):
+        if 'running' in n or 'num_batches' in n:
+            torch.testing.assert_close(t, u, rtol=0, atol=1e-7, msg=n)
+    assert b.stages[1][1].local_mp.bn.num_batches_tracked.item() == 1
+
+
+# ---------------------------------------------------------------- registries and errors
+@pytest.mark.parametrize('scope', ['mmdet', 'mmseg', 'mmpretrain'])
+def test_build_from_each_registry(scope):
+    import importlib
+    registry = importlib.import_module(f'{scope}.registry').MODELS
+    m = registry.build(dict(type='L2ViT', arch=TINY, out_indices=(1, 2, 3)))
+    assert isinstance(m, L2ViT) and m.out_indices == (1, 2, 3)
+
+
+def test_errors():
+    with pytest.raises(ValueError, match=r"unknown arch 'huge'.*'base-384'"):
+        L2ViT(arch='huge')
+    with pytest.raises(ValueError, match='missing'):
+        L2ViT(arch=dict(embed_dims=[8, 16, 32, 64]))
+    with pytest.raises(ValueError, match='final_norm=True needs the last stage'):
+        L2ViT(arch=TINY, out_indices=(0, 1), final_norm=True)
+    with pytest.raises(ValueError, match=r'expects images \(B, 3, H, W\)'):
+        L2ViT(arch=TINY)(torch.randn(1, 1, 32, 32))
+
+
+# ---------------------------------------------------------------- the authors' checkpoints
+def authors_file(tmp_path, model, name='authors.pth'):
+    """A release file as the authors' main.py writes it: `model` (their keys: ours minus norm{i}, plus the
+    final `norm` and the `head`), `model_ema`, optimizer, epoch, scaler and an argparse Namespace."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    c = model.stage_channels[-1]
+    sd = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith('norm')}
+    sd.update({'norm.weight': torch.rand(c) + 0.5, 'norm.bias': torch.randn(c),
+               'head.weight': torch.randn(1000, c) * 0.02, 'head.bias': torch.randn(1000) * 0.02})
+    path = tmp_path / name
+    torch.save({'model': sd, 'model_ema': {k: v + 1 if v.is_floating_point() else v for k, v in sd.items()},
+                'optimizer': {'state': {}}, 'epoch': 299, 'scaler': {},
+                'args': argparse.Namespace(model='L2ViT_Tiny')}, path)
+    return sd, path
+
+
+def load(model):
+    with pytest.warns(UserWarning, match='beyond tensors'):  # the pickled argparse.Namespace
+        model.init_weights()
+    return model
+
+
+def test_pretrained_loads_authors_release_file(tmp_path):
+    sd, path = authors_file(tmp_path, L2ViT(arch=TINY))
+    m = load(L2ViT(arch=TINY, init_cfg=dict(type='Pretrained', checkpoint=str(path))))
+    own = m.state_dict()
+    for k, v in sd.items():
+        if not k.startswith(('norm.', 'head.')):
+            assert torch.equal(own[k], v), k
+    # dense prediction: the output norms start fresh, their final norm is not used
+    assert torch.equal(own['norm3.weight'], torch.ones(64)) and torch.equal(own['norm0.bias'], torch.zeros(16))
+    cls = load(L2ViT(arch=TINY, out_indices=(3,), final_norm=True,
+                     init_cfg=dict(type='Pretrained', checkpoint=str(path))))
+    assert torch.equal(cls.norm3.weight, sd['norm.weight']) and torch.equal(cls.norm3.bias, sd['norm.bias'])
+
+
+def test_pretrained_wrong_size_and_foreign_keys(tmp_path):
+    sd, _ = authors_file(tmp_path, L2ViT(arch=TINY))
+    path = tmp_path / 'clean.pth'
+    torch.save({'model': sd}, path)
+    m = L2ViT(arch=dict(TINY, depths=[2, 2, 4, 2]), init_cfg=dict(type='Pretrained', checkpoint=str(path)))
+    with pytest.raises(ValueError, match=r'does not fit L2ViT[\s\S]*missing keys: stages\.2\.2\.'):
+        m.init_weights()
+    m = L2ViT(arch=dict(TINY, embed_dims=[16, 32, 64, 128]), init_cfg=dict(type='Pretrained', checkpoint=str(path)))
+    with pytest.raises(ValueError, match=r'shape mismatches: .*stages\.3'):
+        m.init_weights()
+    bad = dict(sd, **{'last_proj.weight': torch.zeros(1280, 64)})
+    torch.save({'model': bad}, path)
+    with pytest.raises(ValueError, match=r'unexpected keys: last_proj\.weight'):
+        L2ViT(arch=TINY, init_cfg=dict(type='Pretrained', checkpoint=str(path))).init_weights()
+
+
+def test_raw_model_file_does_not_load_silently(tmp_path):
+    """mmengine's own loader would read nothing from a {'model': ...} file; ours reads `model`, and a file
+    with no weights at all is an error."""
+    path = tmp_path / 'empty.pth'
+    torch.save({'optimizer': {}, 'epoch': 3}, path)
+    with pytest.raises(ValueError, match='no state dict found|none of the entries'):
+        L2ViT(arch=TINY, init_cfg=dict(type='Pretrained', checkpoint=str(path))).init_weights()
+
+
+def run_convert(*args):
+    return subprocess.run([sys.executable, f'{ROOT}/tools/convert_checkpoint.py', *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT)
+
+
+def test_convert_tool_and_classifier_logits(tmp_path):
+    """The real T: release file -> tools/convert_checkpoint.py --target mmpretrain -> the classifier of
+    configs/mmpretrain/l2vit_t_in1k.py gives the authors' logits (LN per token -> mean -> Linear, computed
+    here by hand from their tensors); --ema takes model_ema; a wrong arch is refused."""
+    from mmengine.config import Config
+    from mmengine.registry import init_default_scope
+    from mmengine.runner import load_checkpoint
+    from mmpretrain.registry import MODELS
+
+    src = randomize_norms(L2ViT('tiny', drop_path_rate=0.))
+    sd, path = authors_file(tmp_path, src, 'L2ViT-Tiny-checkpoint-best-ema.pth')
+    dst = tmp_path / 'cls.pth'
+    r = run_convert(path, dst, '--model', 'L2ViT', '--arch', 'tiny', '--target', 'mmpretrain')
+    assert r.returncode == 0, r.stderr
+    out = torch.load(dst, weights_only=True)['state_dict']
+    assert torch.equal(out['head.fc.weight'], sd['head.weight'])
+    assert torch.equal(out['backbone.norm3.bias'], sd['norm.bias'])
+    assert not any(k.startswith('backbone.norm0') for k in out)
+
+    init_default_scope('mmpretrain')
+    model = MODELS.build(Config.fromfile(f'{ROOT}/configs/mmpretrain/l2vit_t_in1k.py').model)
+    load_checkpoint(model, str(dst), map_location='cpu', strict=True, logger='silent')
+    model.eval()
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        logits = model(x, mode='tensor')
+        # the raw stage-4 tokens (no output norm), then the authors' LN + mean + head by hand
+        m3 = L2ViT('tiny', out_indices=(3,), drop_path_rate=0.)
+        m3.load_state_dict(src.state_dict(), strict=False)
+        m3.norm3 = nn.Identity()
+        t = m3.eval()(x)[0].flatten(2).transpose(1, 2)
+        t = (t - t.mean(-1, keepdim=True)) / torch.sqrt(t.var(-1, unbiased=False, keepdim=True) + 1e-5)
+        t = t * sd['norm.weight'] + sd['norm.bias']
+        ref = t.mean(1) @ sd['head.weight'].T + sd['head.bias']
+    torch.testing.assert_close(logits, ref, rtol=0, atol=1e-4)
+
+    ema = tmp_path / 'ema.pth'
+    r = run_convert(path, ema, '--model', 'L2ViT', '--arch', 'tiny', '--ema')
+    assert r.returncode == 0, r.stderr
+    k = 'stages.2.5.attn.temperature'
+    assert torch.equal(torch.load(ema, weights_only=True)['state_dict'][k], sd[k] + 1)
+    r = run_convert(path, tmp_path / 'x.pth', '--model', 'L2ViT', '--arch', 'small')
+    assert r.returncode != 0 and 'does not fit L2ViT (arch small)' in r.stderr and 'missing keys' in r.stderr

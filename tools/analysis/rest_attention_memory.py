@@ -1,0 +1,97 @@
+"""Training-step memory of a ResT backbone: dense attention vs the chunked EMSA path (layers/emsa.py).
+
+    python tools/analysis/rest_attention_memory.py [--arch small] [--size 512 512] [--batch 1]
+        [--chunk-elems none 4194304 ...] [--threads 2]
+
+Every setting runs in a fresh subprocess: build the backbone (train mode, drop path 0), run one forward and
+backward pass on random input, and report
+* peak RSS growth over the step: ru_maxrss after the step minus the RSS just before it;
+* the bytes autograd keeps for backward, counted through saved-tensor hooks (each storage once);
+* the step time.
+`--chunk-elems none` is the dense path (the authors' computation). Numbers are for CPU fp32.
+"""
+import argparse
+import json
+import os
+import os.path as osp
+import resource
+import subprocess
+import sys
+import time
+
+ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+
+
+def rss_bytes():
+    with open('/proc/self/statm') as f:
+        return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+
+
+def child(args):
+    sys.path.insert(0, ROOT)
+    import torch
+    from mmplugin_l2 import ResT
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    chunk = None if args.chunk_elems == 'none' else int(args.chunk_elems)
+    model = ResT(args.arch, drop_path_rate=0., attn_chunk_elems=chunk).train()
+    x = torch.randn(args.batch, 3, *args.size)
+    saved = {}
+
+    def pack(t):
+        try:
+            key = (t.untyped_storage().data_ptr(), t.device.type)
+            saved[key] = max(saved.get(key, 0), t.untyped_storage().nbytes())
+        except (RuntimeError, NotImplementedError):
+            pass
+        return t
+
+    before = rss_bytes()
+    t0 = time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outs = model(x)
+    loss = sum(o.square().mean() for o in outs)
+    saved_bytes = sum(saved.values())
+    loss.backward()
+    dt = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps(dict(chunk_elems=args.chunk_elems, peak_rss_growth=peak - before, saved_bytes=saved_bytes,
+                          step_seconds=dt, loss=loss.item())))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--arch', default='small')
+    p.add_argument('--size', type=int, nargs=2, default=(512, 512), metavar=('H', 'W'))
+    p.add_argument('--batch', type=int, default=1)
+    p.add_argument('--chunk-elems', nargs='+', default=['none', str(2 ** 22)])
+    p.add_argument('--threads', type=int, default=2)
+    p.add_argument('--child', action='store_true', help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        args.chunk_elems = args.chunk_elems[0]
+        return child(args)
+    rows = []
+    for ce in args.chunk_elems:
+        cmd = [sys.executable, osp.abspath(__file__), '--child', '--arch', args.arch, '--size', *map(str, args.size),
+               '--batch', str(args.batch), '--chunk-elems', ce, '--threads', str(args.threads)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.exit(r.stderr)
+        rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    gib = 2 ** 30
+    print(f'ResT-{args.arch}, {args.batch} x 3 x {args.size[0]} x {args.size[1]}, train step (forward + backward), '
+          f'CPU fp32')
+    print(f'{"attn_chunk_elems":>18} {"peak RSS growth":>16} {"saved for backward":>19} {"step":>8} {"loss":>12}')
+    for r in rows:
+        print(f'{r["chunk_elems"]:>18} {r["peak_rss_growth"] / gib:>12.3f} GiB {r["saved_bytes"] / gib:>15.3f} GiB '
+              f'{r["step_seconds"]:>7.2f}s {r["loss"]:>12.6f}')
+    base = rows[0]
+    for r in rows[1:]:
+        print(f'{r["chunk_elems"]} vs {base["chunk_elems"]}: peak RSS growth x{r["peak_rss_growth"] / base["peak_rss_growth"]:.3f}, '
+              f'saved x{r["saved_bytes"] / base["saved_bytes"]:.3f}, time x{r["step_seconds"] / base["step_seconds"]:.2f}')
+
+
+if __name__ == '__main__':
+    main()
