@@ -1,0 +1,1 @@
+"""Measurement helpers behind tools/analysis/ (FLOPs/params, benchmarks)."""
