@@ -44,3 +44,26 @@ def test_hvit3_t_classifier_flops_match_the_paper(tmp_path):
     res = json.loads(out.read_text())
     assert abs(res['model']['flops'] / 1e9 - 4.903) / 4.903 < 0.01
     assert res['model']['params'] == 28_703_560
+
+
+def test_benchmark_writes_every_field(tmp_path):
+    out = tmp_path / 'bm'
+    r = subprocess.run([sys.executable, f'{ROOT}/tools/analysis/benchmark.py', '--models', 'hvit3_t', 'swin_t',
+                        '--sizes', '64', '72x96', '128', '--warmup', '0', '--iters', '1', '--out-dir', str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert '[ 12/12]' in r.stdout  # progress: 2 models x 3 sizes x (latency, memory)
+    res = json.loads((out / 'benchmark.json').read_text())
+    for key in ('device', 'machine', 'torch', 'batch', 'sizes', 'by_model', 'scaling_exponent', 'raw'):
+        assert key in res
+    assert set(res['by_model']) == {'hvit3_t', 'swin_t'}
+    for rows in res['by_model'].values():
+        assert [row['size'] for row in rows] == [[64, 64], [72, 96], [128, 128]]
+        for row in rows:
+            assert row['tokens'] == -(-row['size'][0] // 4) * -(-row['size'][1] // 4)
+            assert row['latency_ms'] > 0 and row['throughput'] > 0 and row['train_peak_mem_mb'] > 0
+            assert row['params'] > 0 and 'errors' not in row
+    for exps in res['scaling_exponent'].values():
+        assert set(exps) == {'64x64->72x96', '72x96->128x128', '64x64->128x128'}
+    png = (out / 'benchmark.png').read_bytes()
+    assert png[:8] == b'\x89PNG\r\n\x1a\n' and len(png) > 10_000

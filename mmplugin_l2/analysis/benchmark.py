@@ -1,0 +1,156 @@
+"""Backbone benchmark: inference latency / throughput and training-step peak memory, one measurement per
+fresh subprocess (see tools/analysis/benchmark.py)."""
+import json
+import math
+import os
+import resource
+import statistics
+import time
+
+import torch
+
+#: benchmark name -> backbone config (mmdet scope, so mmdet's own backbones build too)
+MODELS = {
+    'hvit3_t': dict(type='HViT3', arch='tiny', drop_path_rate=0.),
+    'hvit3_s': dict(type='HViT3', arch='small', drop_path_rate=0.),
+    'hvit3_b': dict(type='HViT3', arch='base', drop_path_rate=0.),
+    'l2vit_t': dict(type='L2ViT', arch='tiny', drop_path_rate=0.),
+    'l2vit_s': dict(type='L2ViT', arch='small', drop_path_rate=0.),
+    'rest_s': dict(type='ResT', arch='small', drop_path_rate=0.),
+    'rest_b': dict(type='ResT', arch='base', drop_path_rate=0.),
+    # what users would pick instead: mmdet's Swin-T and PVTv2-b2
+    'swin_t': dict(type='mmdet.SwinTransformer', embed_dims=96, depths=(2, 2, 6, 2),
+                   num_heads=(3, 6, 12, 24), window_size=7, drop_path_rate=0.),
+    'pvtv2_b2': dict(type='mmdet.PyramidVisionTransformerV2', embed_dims=64, num_layers=[3, 4, 6, 3],
+                     drop_path_rate=0.),
+}
+DEFAULT_MODELS = ['hvit3_t', 'l2vit_t', 'rest_s', 'swin_t', 'pvtv2_b2']
+DEFAULT_SIZES = ['224', '512', '800x1344', '1248']
+
+
+def parse_size(s):
+    h, _, w = str(s).partition('x')
+    return int(h), int(w or h)
+
+
+def tokens(size):
+    """Stride-4 tokens of an H x W image (the first stage of every pyramid backbone here)."""
+    h, w = size
+    return math.ceil(h / 4) * math.ceil(w / 4)
+
+
+def build(name, extra_cfg=None):
+    import mmplugin_l2  # noqa: F401
+    from mmdet.registry import MODELS as REG
+    from mmengine.registry import init_default_scope
+    init_default_scope('mmdet')
+    cfg = dict(MODELS[name])
+    cfg.update(extra_cfg or {})
+    return REG.build(cfg)
+
+
+def _rss_bytes():
+    with open('/proc/self/statm') as f:
+        return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+
+
+def _sync(device):
+    if device.type == 'cuda':
+        torch.cuda.synchronize()
+
+
+def measure_latency(model, x, warmup, iters):
+    """Median wall time of `iters` no-grad forwards after `warmup` ones, in ms."""
+    model.eval()
+    times = []
+    with torch.no_grad():
+        for i in range(warmup + iters):
+            _sync(x.device)
+            t = time.perf_counter()
+            model(x)
+            _sync(x.device)
+            if i >= warmup:
+                times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times), times
+
+
+def measure_train_memory(model, x):
+    """Peak memory of one training step (forward + backward of the sum of the outputs) above what was
+    held before it, in MB. CUDA: torch.cuda.max_memory_allocated. CPU: the process's peak RSS
+    (getrusage ru_maxrss) minus its RSS just before the step, in a fresh process whose earlier peak
+    (imports, model build) is below the step's."""
+    model.train()
+    if x.device.type == 'cuda':
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        sum(o.float().sum() for o in model(x)).backward()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    base = _rss_bytes()
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    sum(o.sum() for o in model(x)).backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if peak <= peak_before:
+        raise RuntimeError('the training step did not raise the process peak RSS; cannot measure it')
+    return (peak - base) / 2**20
+
+
+def worker(name, size, mode, batch, warmup, iters, device, extra_cfg=None):
+    """One measurement; returns a JSON-able dict."""
+    torch.manual_seed(0)
+    device = torch.device(device)
+    model = build(name, extra_cfg).to(device)
+    x = torch.randn(batch, 3, *size, device=device)
+    res = dict(model=name, size=list(size), tokens=tokens(size), batch=batch, mode=mode,
+               params=sum(p.numel() for p in model.parameters()))
+    if mode == 'latency':
+        med, times = measure_latency(model, x, warmup, iters)
+        res.update(latency_ms=med, throughput=batch / med * 1e3, times_ms=times)
+    else:
+        res.update(train_peak_mem_mb=measure_train_memory(model, x))
+    return res
+
+
+def scaling_exponents(results, sizes):
+    """Per model: d log(latency) / d log(tokens) between consecutive sizes and from the first to the
+    last of them."""
+    out = {}
+    for name in {r['model'] for r in results}:
+        lat = {tuple(r['size']): r.get('latency_ms') for r in results if r['model'] == name}
+        exps = {}
+        pairs = list(zip(sizes, sizes[1:])) + ([(sizes[0], sizes[-1])] if len(sizes) > 2 else [])
+        for a, b in pairs:
+            if lat.get(a) and lat.get(b):
+                exps[f'{a[0]}x{a[1]}->{b[0]}x{b[1]}'] = (math.log(lat[b] / lat[a]) /
+                                                          math.log(tokens(b) / tokens(a)))
+        out[name] = exps
+    return out
+
+
+def plot(summary, path):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, rows in summary['by_model'].items():
+        rows = sorted(rows, key=lambda r: r['tokens'])
+        for ax, key in zip(axes, ('latency_ms', 'train_peak_mem_mb')):
+            pts = [(r['tokens'], r[key]) for r in rows if r.get(key)]
+            if pts:
+                ax.plot(*zip(*pts), marker='o', label=name)
+    for ax, title in zip(axes, ('inference latency (ms, median)', 'training-step peak memory (MB)')):
+        ax.set_xscale('log')
+        ax.set_yscale('log')
+        ax.set_xlabel('tokens at stride 4')
+        ax.set_title(title)
+        ax.grid(True, which='both', alpha=.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f'{summary["device"]} - batch {summary["batch"]} - torch {summary["torch"]}', fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def dumps(obj):
+    return json.dumps(obj, indent=2)
