@@ -179,11 +179,13 @@ def test_chunked_attention_equals_dense_values_and_grads(h, dtype, tol):
 
 
 def test_chunked_attention_gradcheck():
-    q, k, v, conv = qkv_and_conv(1, 2, 9, 4, 3, torch.float64)
+    q, k, v, conv = qkv_and_conv(1, 2, 7, 4, 3, torch.float64)
     w = conv.weight.detach().clone().requires_grad_()
     bias = conv.bias.detach().clone().requires_grad_()
-    assert torch.autograd.gradcheck(lambda *t: ChunkedEMSAAttention.apply(*t, 0.7, 1e-5, 4), (q, k, v, w, bias))
-    assert torch.autograd.gradcheck(lambda *t: ChunkedEMSAAttention.apply(*t, None, None, 0.7, 1e-5, 2), (q, k, v))
+    assert torch.autograd.gradcheck(lambda *t: ChunkedEMSAAttention.apply(*t, 0.7, 1e-5, 3), (q, k, v, w, bias),
+                                    fast_mode=True)
+    assert torch.autograd.gradcheck(lambda *t: ChunkedEMSAAttention.apply(*t, None, None, 0.7, 1e-5, 2), (q, k, v),
+                                    fast_mode=True)
 
 
 def saved_numels(fn):
@@ -208,20 +210,25 @@ def test_chunked_attention_keeps_no_attention_map():
     assert sum(chunked) < sum(dense) / 8
 
 
-def test_backbone_chunked_equals_dense_values_and_grads():
+@pytest.mark.parametrize('dtype,tol', [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+def test_backbone_chunked_equals_dense_values_and_grads(dtype, tol):
+    """Whole backbone, train mode: outputs and every parameter gradient. Tolerances are relative to the
+    largest output / gradient: some gradients are zero up to rounding (a conv bias before a BatchNorm, the
+    head-mixing conv bias under the softmax), so a per-tensor relative check would compare rounding noise."""
     torch.manual_seed(0)
-    dense = tiny(attn_chunk_elems=None).train()
-    chunked = tiny(attn_chunk_elems=97)
+    dense = tiny(attn_chunk_elems=None).to(dtype).train()
+    chunked = tiny(attn_chunk_elems=97).to(dtype)
     chunked.load_state_dict(dense.state_dict())
     chunked.train()
-    x = torch.randn(2, 3, 70, 90)
+    x = torch.randn(2, 3, 70, 90, dtype=dtype)
     od, oc = dense(x), chunked(x)
     for a, b in zip(od, oc):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(b, a, rtol=0, atol=tol * a.abs().max().item() * 10)
     sum(o.square().sum() for o in od).backward()
     sum(o.square().sum() for o in oc).backward()
+    scale = max(p.grad.abs().max().item() for p in dense.parameters())
     for (name, p), q in zip(dense.named_parameters(), chunked.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-5, msg=name)
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=tol * scale, msg=name)
 
 
 def test_dense_path_below_the_chunk_size():
@@ -482,10 +489,10 @@ def test_pretrained_wrong_size_fails_loudly(authors_file, tmp_path):
              init_cfg=dict(type='Pretrained', checkpoint=str(path)))
     with pytest.raises(ValueError, match=r'shape mismatches: .*layers\.3'):
         m.init_weights()
-    bad = dict(sd, **{'stage5.0.attn.q.weight': torch.zeros(1)})
+    bad = dict(sd, **{'stage5.0.attn.q.weight': torch.zeros(1), 'pos_embed': torch.zeros(1)})
     torch.save({'model': bad}, tmp_path / 'bad.pth')
     m = tiny(init_cfg=dict(type='Pretrained', checkpoint=str(tmp_path / 'bad.pth')))
-    with pytest.raises(ValueError, match=r'unexpected keys: stage5\.0\.attn\.q\.weight'):
+    with pytest.raises(ValueError, match=r'2 unexpected keys: layers\.4\.blocks\.0\.attn\.q\.weight, pos_embed'):
         m.init_weights()
 
 

@@ -6,7 +6,8 @@
 Every setting runs in a fresh subprocess: build the backbone (train mode, drop path 0), run one forward and
 backward pass on random input, and report
 * peak RSS growth over the step: ru_maxrss after the step minus the RSS just before it;
-* the bytes autograd keeps for backward, counted through saved-tensor hooks (each storage once);
+* the bytes autograd keeps for backward, counted through saved-tensor hooks (each storage once,
+  parameters excluded);
 * the step time.
 `--chunk-elems none` is the dense path (the authors' computation). Numbers are for CPU fp32.
 """
@@ -38,11 +39,13 @@ def child(args):
     model = ResT(args.arch, drop_path_rate=0., attn_chunk_elems=chunk).train()
     x = torch.randn(args.batch, 3, *args.size)
     saved = {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
-    def pack(t):
+    def pack(t):  # activations only: each storage once, parameters excluded
         try:
-            key = (t.untyped_storage().data_ptr(), t.device.type)
-            saved[key] = max(saved.get(key, 0), t.untyped_storage().nbytes())
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                saved[ptr] = max(saved.get(ptr, 0), t.untyped_storage().nbytes())
         except (RuntimeError, NotImplementedError):
             pass
         return t
@@ -89,8 +92,9 @@ def main():
               f'{r["step_seconds"]:>7.2f}s {r["loss"]:>12.6f}')
     base = rows[0]
     for r in rows[1:]:
-        print(f'{r["chunk_elems"]} vs {base["chunk_elems"]}: peak RSS growth x{r["peak_rss_growth"] / base["peak_rss_growth"]:.3f}, '
-              f'saved x{r["saved_bytes"] / base["saved_bytes"]:.3f}, time x{r["step_seconds"] / base["step_seconds"]:.2f}')
+        ratio = {k: r[k] / base[k] for k in ('peak_rss_growth', 'saved_bytes', 'step_seconds')}
+        print(f'{r["chunk_elems"]} vs {base["chunk_elems"]}: peak RSS growth x{ratio["peak_rss_growth"]:.3f}, '
+              f'saved x{ratio["saved_bytes"]:.3f}, time x{ratio["step_seconds"]:.2f}')
 
 
 if __name__ == '__main__':

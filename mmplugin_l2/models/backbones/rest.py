@@ -158,11 +158,20 @@ class ResT(PyramidBackbone):
                 t = self.run_block(block, t, hw)
             x = tokens_to_map(t, hw)
             if i in self.out_indices:
-                y = self.stage_output(i, x)
+                y = self.stage_output(i, t, hw)
                 outs.append(y)
                 if self.norm_in_path:
                     x = y
         return tuple(outs)
+
+    def stage_output(self, i, tokens, hw_shape):
+        """norm{i} of stage i as an NCHW map. A LayerNorm acts on the tokens (B, N, C) and the map is their
+        (B, C, H, W) view, as in the authors' code: the same memory layout feeds the next stage (in-path
+        norms) or the pooling of the classifier, so the results are bit-identical to theirs."""
+        norm = getattr(self, f'norm{i}')
+        if isinstance(norm, (nn.LayerNorm, nn.Identity)):
+            return tokens_to_map(norm(tokens), hw_shape)
+        return super().stage_output(i, tokens_to_map(tokens, hw_shape))
 
     # ---- weights ---------------------------------------------------------------------------
     def _last_norm(self):

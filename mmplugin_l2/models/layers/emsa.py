@@ -20,14 +20,17 @@ For tokens x (B, N, C) of an (H, W) map, h heads of d = C / h channels, spatial 
 Memory. The attention map has B * h * N * N' entries. For an 800 x 1344 image, stage 1 has
 67,200 x 1,050 = 70.6 M entries per image and block. Autograd keeps one such map per stage-1 block. In
 stages 2-4 it keeps three per block: the conv input, the softmax output and the IN output. Once a map has
-more than `chunk_elems` entries, `emsa_attention` switches to `ChunkedEMSAAttention`. That path runs over
-blocks of queries and keeps only q, k, v, the output and two scalars per (image, head). The backward pass
-recomputes the maps block by block. IN needs statistics over all queries, so it is done exactly:
+more than `chunk_elems` entries in a step that records autograd, `emsa_attention` switches to
+`ChunkedEMSAAttention`. That path runs over blocks of queries and keeps only q, k, v, the output and two
+scalars per (image, head). The backward pass recomputes the maps block by block. IN needs statistics over
+all queries, so it is done exactly:
 * Forward: a first pass accumulates the sum of P and of P^2 for each (image, head). A second pass
   recomputes each block and normalises it with those full-map statistics.
 * Backward: the IN gradient needs two more full-map sums. They come without another pass:
   sum(dA) = sum_n dout_n . sum_m v_m and sum(dA * A) = sum(dout * out).
-Both paths compute the same function and differ only by float rounding (see tests/test_rest.py).
+Both paths compute the same function and differ only by float rounding (see tests/test_rest.py). Inference
+(no autograd) always takes the dense path, which is bit-identical to the authors' code: nothing is kept there,
+and the transient maps of one block are small next to a training step's saved tensors.
 """
 import torch
 import torch.nn as nn
@@ -40,10 +43,12 @@ DEFAULT_CHUNK_ELEMS = 2 ** 22
 
 
 def attention_probs(q, k, scale, weight=None, bias=None):
-    """softmax(Conv1x1((q @ k^T) * scale)) over the keys; without `weight`, plain softmax."""
+    """softmax(Conv1x1((q @ k^T) * scale)) over the keys; without `weight`, plain softmax. The 1x1 conv
+    over the heads is written as an einsum: the same sums, more than 10x faster than a 2-8 channel conv2d
+    on CPU (the dense path keeps the conv, for bit-identical results)."""
     s = (q @ k.transpose(-2, -1)) * scale
     if weight is not None:
-        s = F.conv2d(s, weight, bias)
+        s = torch.einsum('gh,bhnm->bgnm', weight[:, :, 0, 0], s) + bias[:, None, None]
     return s.softmax(dim=-1)
 
 
@@ -52,7 +57,10 @@ def naive_emsa_attention(q, k, v, scale, transform_conv=None, eps=1e-5, attn_dro
     attn = (q @ k.transpose(-2, -1)) * scale
     if transform_conv is not None:
         attn = transform_conv(attn).softmax(dim=-1)
-        attn = F.instance_norm(attn, eps=eps)
+        if attn.shape[-2] * attn.shape[-1] > 1:
+            attn = F.instance_norm(attn, eps=eps)
+        else:  # a 1 x 1 map (inputs of <= 32 px): torch refuses it, the normalised value is 0
+            attn = attn - attn.detach()
     else:
         attn = attn.softmax(dim=-1)
     if attn_drop is not None:
@@ -154,11 +162,16 @@ class ChunkedEMSAAttention(torch.autograd.Function):
 
 
 def emsa_attention(q, k, v, scale, transform_conv=None, eps=1e-5, chunk_elems=DEFAULT_CHUNK_ELEMS):
-    """A @ v for q (B, h, N, d), k, v (B, h, N', d): dense when the map has at most `chunk_elems`
-    entries (or `chunk_elems` is None), else `ChunkedEMSAAttention` with blocks of at most that size."""
+    """A @ v for q (B, h, N, d), k, v (B, h, N', d).
+
+    When autograd records (a training step) and the map has more than `chunk_elems` entries, this is
+    `ChunkedEMSAAttention` with blocks of at most that size. Otherwise, and always when `chunk_elems` is
+    None, it is the dense path, which is bit-identical to the authors' code. Without autograd nothing is
+    kept for backward, so the dense maps are only transient."""
     b, h, n, _ = q.shape
     n_keys = k.shape[2]
-    if chunk_elems is None or b * h * n * n_keys <= chunk_elems:
+    records = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if chunk_elems is None or not records or b * h * n * n_keys <= chunk_elems:
         return naive_emsa_attention(q, k, v, scale, transform_conv, eps)
     rows = max(1, chunk_elems // (b * h * n_keys))
     weight = transform_conv.weight if transform_conv is not None else None
