@@ -1,6 +1,6 @@
 """The L2ViT configs under configs/: settings against the authors' recipes (shared/reference/l2vit.md sections
-5-6), builds (pretrained init disabled; T for real, S/B on the meta device), parameter counts, one forward
-per T config, weight-decay groups, and real training iterations through tools/train.py (RetinaNet, UperNet,
+5-6), builds (pretrained init disabled; the T-1x ones for real with a forward, the others on the meta device),
+parameter counts, weight-decay groups, and real training iterations through tools/train.py (RetinaNet, UperNet,
 classifier) plus tools/test.py (RetinaNet, UperNet) on generated data."""
 import copy
 import functools
@@ -40,6 +40,10 @@ DET = {**MASK, **RETINA}
 SEG = {f'mmseg/upernet_l2vit_{s}_512x512_160k_ade20k.py': s for s in 'tsb'}
 CLS = {f'mmpretrain/l2vit_{s}_in1k.py': s for s in 'tsb'}
 ALL = [*DET, *SEG, *CLS]
+# built for real and run once (T, 1x); the others are built on the meta device: the same construction code
+# without allocating and initialising up to 100M weights on a busy 2-core CPU
+FORWARD = {'mmdet/mask_rcnn_l2vit_t_1x.py', 'mmdet/retinanet_l2vit_t_1x.py',
+           'mmseg/upernet_l2vit_t_512x512_160k_ade20k.py', 'mmpretrain/l2vit_t_in1k.py'}
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,7 +80,7 @@ def build_model(rel):
         model_cfg.test_cfg.rpn.max_per_img = 8  # few RoIs in the forward test
     if cfg.get('data_preprocessor') is not None:
         model_cfg.setdefault('data_preprocessor', cfg.data_preprocessor)
-    with torch.device('cpu' if size_of(rel) == 't' else 'meta'):
+    with torch.device('cpu' if rel in FORWARD else 'meta'):
         model = MODELS.build(model_cfg)
     return cfg, model
 
@@ -194,7 +198,8 @@ def test_cls_settings(rel):
     assert m.train_cfg.augments == [dict(type='Mixup', alpha=0.8), dict(type='CutMix', alpha=1.0)]
 
     ow = cfg.optim_wrapper
-    assert ow.optimizer == dict(type='AdamW', lr=4e-3, weight_decay=0.05, eps=1e-8, betas=(0.9, 0.999))
+    assert {k: v for k, v in ow.optimizer.items() if k != '_scope_'} == dict(
+        type='AdamW', lr=4e-3, weight_decay=0.05, eps=1e-8, betas=(0.9, 0.999))
     assert ow.paramwise_cfg == dict(norm_decay_mult=0., bias_decay_mult=0., flat_decay_mult=0.)
     assert ow.accumulative_counts == 4 and ow.get('clip_grad') is None
     assert cfg.train_dataloader.batch_size * 8 * ow.accumulative_counts == 4096
@@ -237,7 +242,7 @@ def test_build_and_forward(rel):
         assert n_params(model) == CLS_PARAMS[size]
     drops = [m.drop_prob for m in bb.modules() if type(m).__name__ == 'DropPath']
     assert drops[-1] == pytest.approx(cfg.model.backbone.drop_path_rate)
-    if size != 't':
+    if rel not in FORWARD:
         return
     model.eval()
     with torch.no_grad():
@@ -370,7 +375,8 @@ def run(workdir, tool, *args):
 
 def test_retinanet_train_then_test(workdir):
     cfg = write_cfg(workdir, 'retina', 'mmdet/retinanet_l2vit_t_1x.py', (
-        f"model = dict({TINY_BB}, neck=dict(in_channels=[32, 64, 64]), bbox_head=dict(num_classes=3))\n"
+        f"model = dict({TINY_BB}, neck=dict(in_channels=[32, 64, 64]), bbox_head=dict(num_classes=3),\n"
+        "             test_cfg=dict(score_thr=0.))  # an untrained detector: keep its boxes for the COCO metric\n"
         + DET_DATA.format(mask=False) + RUN_CFG))
     r = run(workdir, 'train.py', cfg, '--work-dir', 'wd_retina')
     assert 'Epoch(train) [1][1/1]' in r.stdout + r.stderr
@@ -379,17 +385,6 @@ def test_retinanet_train_then_test(workdir):
     r = run(workdir, 'test.py', cfg, ckpt, '--work-dir', 'wd_retina_test', '--out', 'retina.json')
     metrics = json.loads((workdir / 'retina.json').read_text())
     assert 0.0 <= metrics['coco/bbox_mAP'] <= 1.0 and 'coco/bbox_mAP' in r.stdout
-
-
-def test_mask_rcnn_train(workdir):
-    cfg = write_cfg(workdir, 'mask', 'mmdet/mask_rcnn_l2vit_t_1x.py', (
-        f"model = dict({TINY_BB}, neck=dict(in_channels={TINY_L2VIT['embed_dims']}),\n"
-        "             roi_head=dict(bbox_head=dict(num_classes=3), mask_head=dict(num_classes=3)),\n"
-        "             train_cfg=dict(rcnn=dict(sampler=dict(num=64))))\n"
-        + DET_DATA.format(mask=True) + "train_cfg = dict(max_epochs=1, val_interval=2)\n"
-        "default_hooks = dict(checkpoint=dict(interval=1), logger=dict(interval=1))\n"))
-    r = run(workdir, 'train.py', cfg, '--work-dir', 'wd_mask')
-    assert 'Epoch(train) [1][1/1]' in r.stdout + r.stderr and (workdir / 'wd_mask' / 'epoch_1.pth').is_file()
 
 
 def test_upernet_train_then_test(workdir):

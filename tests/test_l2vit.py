@@ -2,6 +2,7 @@
 AMP; freezing, norm_eval, with_cp; parameter counts; registries; the authors' checkpoint layout, loading
 and conversion."""
 import argparse
+import copy
 import math
 import os.path as osp
 import subprocess
@@ -51,9 +52,16 @@ def test_shapes_and_strides(size):
         assert torch.isfinite(o).all()
 
 
-def test_real_tiny_width_shapes_at_odd_size():
+@pytest.fixture(scope='module')
+def real_tiny():
+    """L2ViT-T at the real widths, built once (tests that change it take a copy)."""
+    torch.manual_seed(0)
+    return L2ViT('tiny', drop_path_rate=0.)
+
+
+def test_real_tiny_width_shapes_at_odd_size(real_tiny):
     """The authors' measured map sizes for DET-T at 250 x 330 (reference section 4)."""
-    m = L2ViT('tiny').eval()
+    m = real_tiny.eval()
     with torch.no_grad():
         outs = m(torch.randn(1, 3, 250, 330))
     assert [tuple(o.shape[1:]) for o in outs] == [(96, 63, 83), (192, 32, 42), (384, 16, 21), (768, 8, 11)]
@@ -83,10 +91,10 @@ def test_block_layout_and_window_size():
     assert rates[1] == pytest.approx(0.3 / 23)
 
 
-def test_state_dict_has_the_authors_layout():
+def test_state_dict_has_the_authors_layout(real_tiny):
     """Keys and shapes of the authors' L2ViT-T (classification file: 284 keys; here with norm0-3 instead of
     norm + head)."""
-    sd = L2ViT('tiny').state_dict()
+    sd = real_tiny.state_dict()
     assert len(sd) == 284 - 4 + 8
     shapes = {
         'downsample_layers.0.proj.proj.0.weight': (48, 3, 3, 3), 'downsample_layers.0.proj.proj.0.bias': (48,),
@@ -538,7 +546,7 @@ def run_convert(*args):
                           capture_output=True, text=True, cwd=ROOT)
 
 
-def test_convert_tool_and_classifier_logits(tmp_path):
+def test_convert_tool_and_classifier_logits(tmp_path, real_tiny):
     """The real T: release file -> tools/convert_checkpoint.py --target mmpretrain -> the classifier of
     configs/mmpretrain/l2vit_t_in1k.py gives the authors' logits (LN per token -> mean -> Linear, computed
     here by hand from their tensors); --ema takes model_ema; a wrong arch is refused."""
@@ -547,7 +555,7 @@ def test_convert_tool_and_classifier_logits(tmp_path):
     from mmengine.runner import load_checkpoint
     from mmpretrain.registry import MODELS
 
-    src = randomize_norms(L2ViT('tiny', drop_path_rate=0.))
+    src = randomize_norms(copy.deepcopy(real_tiny))
     sd, path = authors_file(tmp_path, src, 'L2ViT-Tiny-checkpoint-best-ema.pth')
     dst = tmp_path / 'cls.pth'
     r = run_convert(path, dst, '--model', 'L2ViT', '--arch', 'tiny', '--target', 'mmpretrain')
@@ -565,19 +573,19 @@ def test_convert_tool_and_classifier_logits(tmp_path):
     with torch.no_grad():
         logits = model(x, mode='tensor')
         # the raw stage-4 tokens (no output norm), then the authors' LN + mean + head by hand
-        m3 = L2ViT('tiny', out_indices=(3,), drop_path_rate=0.)
-        m3.load_state_dict(src.state_dict(), strict=False)
-        m3.norm3 = nn.Identity()
-        t = m3.eval()(x)[0].flatten(2).transpose(1, 2)
+        src.norm3 = nn.Identity()
+        t = src.eval()(x)[3].flatten(2).transpose(1, 2)
         t = (t - t.mean(-1, keepdim=True)) / torch.sqrt(t.var(-1, unbiased=False, keepdim=True) + 1e-5)
         t = t * sd['norm.weight'] + sd['norm.bias']
         ref = t.mean(1) @ sd['head.weight'].T + sd['head.bias']
     torch.testing.assert_close(logits, ref, rtol=0, atol=1e-4)
 
-    ema = tmp_path / 'ema.pth'
-    r = run_convert(path, ema, '--model', 'L2ViT', '--arch', 'tiny', '--ema')
-    assert r.returncode == 0, r.stderr
+    # --ema and a wrong arch, in process (the keys and shapes are checked against a model on the meta device)
+    from mmplugin_l2.checkpoint.convert import convert_checkpoint
+    with torch.device('meta'), pytest.warns(UserWarning, match='beyond tensors'):
+        ema = convert_checkpoint(path, 'L2ViT', 'tiny', 'backbone', ema=True)['state_dict']
     k = 'stages.2.5.attn.temperature'
-    assert torch.equal(torch.load(ema, weights_only=True)['state_dict'][k], sd[k] + 1)
-    r = run_convert(path, tmp_path / 'x.pth', '--model', 'L2ViT', '--arch', 'small')
-    assert r.returncode != 0 and 'does not fit L2ViT (arch small)' in r.stderr and 'missing keys' in r.stderr
+    assert torch.equal(ema[k], sd[k] + 1) and 'norm.weight' not in ema and 'head.bias' not in ema
+    with torch.device('meta'), pytest.warns(UserWarning), \
+            pytest.raises(ValueError, match=r'does not fit L2ViT \(arch small\)[\s\S]*missing keys: stages\.2\.1'):
+        convert_checkpoint(path, 'L2ViT', 'small')

@@ -1,5 +1,5 @@
-"""L2ViT backbone: "The Linear Attention Resurrection in Vision Transformer" (Zheng, 2024,
-arXiv 2501.16182), official code ChuanyangZheng/L2ViT.
+"""L2ViT backbone: "The Linear Attention Resurrection in Vision Transformer", official code
+ChuanyangZheng/L2ViT (classification/models/l2vit.py, object_detection/mmdet/models/backbones/l2vit.py).
 
 ConvStem2L (stride 4) + LayerNorm -> 4 stages; stage i > 0 opens with a downsampling (LayerNorm -> 2x2 s2
 conv); inside a stage the blocks alternate, starting with a local one:

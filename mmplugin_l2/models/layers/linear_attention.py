@@ -20,10 +20,18 @@ Tokens (B, N, C) in, (B, N, C) out; qkv = Linear(C, 3C) (bias in L2ViT), proj = 
 DWConv7x7 -> GELU -> BatchNorm2d -> DWConv7x7 (keys `conv1`, `bn`, `conv2`). No internal residual: the
 block adds it (x = x + LCM(LN(x))).
 """
+import contextlib
+
 import torch
 import torch.nn as nn
 
 from .cpe import map_to_tokens, tokens_to_map
+
+
+def _autocast_off(device_type):
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()  # e.g. the meta device
 
 
 class LinearAttention(nn.Module):
@@ -62,7 +70,7 @@ class LinearAttention(nn.Module):
         qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, c // self.num_heads).permute(2, 0, 3, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]
         if self.fp32_reduce and qkv.dtype != torch.float64:
-            with torch.autocast(device_type=x.device.type, enabled=False):
+            with _autocast_off(x.device.type):
                 out = self.linear_attention(q.float(), k.float(), v.float()).to(qkv.dtype)
         else:
             out = self.linear_attention(q, k, v)
