@@ -22,7 +22,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('src')
     p.add_argument('dst')
-    p.add_argument('--model', required=True, help='backbone type, e.g. HViT3 or ViT3')
+    p.add_argument("--model", required=True, help="backbone type: HViT3, ViT3, L2ViT or ResT")
     p.add_argument('--arch', required=True, help='arch name, e.g. tiny / small / base')
     p.add_argument('--target', default='backbone', choices=['backbone', 'mmpretrain'])
     p.add_argument('--ema', action='store_true', help='convert the EMA weights')
