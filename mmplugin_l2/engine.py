@@ -87,6 +87,18 @@ def check_data(cfg, loaders):
                         f'python tools/make_demo_data.py && bash tools/demo.sh  (see README, "Demo")')
 
 
+def check_pretrained(cfg):
+    """Raise FileNotFoundError when the backbone's `init_cfg` names a checkpoint file that is missing."""
+    init = cfg.model.get('backbone', {}).get('init_cfg')
+    if isinstance(init, dict) and init.get('type') == 'Pretrained':
+        path = init.get('checkpoint', '')
+        if '://' not in path and not osp.isfile(path):
+            raise FileNotFoundError(
+                f'pretrained backbone weights not found: {path!r} (model.backbone.init_cfg).\n  Put the '
+                f'authors\' ImageNet checkpoint there (tools/convert_checkpoint.py converts it, see README), '
+                f'or train from scratch with --cfg-options model.backbone.init_cfg=None')
+
+
 def enable_visualization(cfg, show_dir):
     """Draw test predictions into `show_dir` with the framework's own visualisation hook."""
     hooks = cfg.default_hooks

@@ -133,3 +133,13 @@ def test_missing_dataset_is_explained(tmp_path):
     r = run(tmp_path, f'{ROOT}/configs/mmseg/upernet_hvit3_t_512x512_160k_ade20k.py', ckpt, tool='test.py',
             check=False)
     assert r.returncode != 0 and 'data/ade/ADEChallengeData2016' in r.stderr and 'Traceback' not in r.stderr
+
+
+def test_missing_pretrained_weights_are_explained(workdir):
+    cfg = write_cfg(workdir, 'det_pre', 'mask_rcnn_hvit3_t_demo.py', (
+        "model = dict(backbone=dict(init_cfg=dict(_delete_=True, type='Pretrained', "
+        "checkpoint='data/pretrained/nope.pth')))\n"))
+    r = run(workdir, cfg, '--work-dir', 'wd_pre', check=False)
+    assert r.returncode != 0 and 'Traceback' not in r.stderr
+    assert "pretrained backbone weights not found: 'data/pretrained/nope.pth'" in r.stderr
+    assert 'model.backbone.init_cfg=None' in r.stderr

@@ -15,7 +15,7 @@ from mmengine.config import DictAction  # noqa: E402
 from mmengine.logging import print_log  # noqa: E402
 
 import mmplugin_l2  # noqa: E402,F401  (registers the backbones and the checkpoint allow-list)
-from mmplugin_l2.engine import (DatasetNotFoundError, build_runner, check_data, load_config,  # noqa: E402
+from mmplugin_l2.engine import (build_runner, check_data, check_pretrained, load_config,  # noqa: E402
                                 set_local_rank, setup_cpu_distributed)
 
 
@@ -62,7 +62,8 @@ def main(argv=None):
     loaders = ['train_dataloader'] + (['val_dataloader'] if cfg.get('val_cfg') else [])
     try:
         check_data(cfg, loaders)
-    except DatasetNotFoundError as err:
+        check_pretrained(cfg)
+    except FileNotFoundError as err:
         sys.exit(f'error: {err}')
     setup_cpu_distributed(cfg)
     runner = build_runner(cfg)
