@@ -16,13 +16,12 @@ Padding is theirs: the stem pads right/bottom to a multiple of 4, each downsampl
 so stage i of an H x W input is ceil(H / 2^(i+2)) x ceil(W / 2^(i+2)).
 """
 import torch.nn as nn
-import torch.nn.functional as F
 from mmcv.cnn.bricks import DropPath
 from mmengine.model.weight_init import trunc_normal_
 from mmengine.registry import MODELS
 
 from ..layers import (CPE, ConvDownsample, ConvMlp, ConvStem, Mlp, TTTAttention, map_to_tokens,
-                      rope_tables, tokens_to_map)
+                      pad_to_multiple, rope_tables, tokens_to_map)
 from ..pyramid import PyramidBackbone, resolve_arch
 
 
@@ -210,8 +209,7 @@ class ViT3(PyramidBackbone):
 
     def forward(self, x):
         self.check_input(x)
-        x = self.patch_embed.proj(F.pad(x, (0, (-x.shape[-1]) % self.patch_size,
-                                            0, (-x.shape[-2]) % self.patch_size)))
+        x = self.patch_embed.proj(pad_to_multiple(x, self.patch_size))
         hw = tuple(x.shape[-2:])
         x = self.pos_drop(map_to_tokens(x))
         outs = []
