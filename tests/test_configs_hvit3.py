@@ -3,25 +3,17 @@
 per T config, optimiser parameter groups, the ImageNet lr curve and the train/test pipelines."""
 import copy
 import functools
-import os.path as osp
 
 import cv2
 import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from mmengine.config import Config
 from mmengine.dataset import Compose
 from mmengine.optim import build_optim_wrapper
 from mmengine.registry import PARAM_SCHEDULERS, init_default_scope
 
-# `mmdet::`-style bases make mmengine parse every metafile of the package for each base it resolves
-# (about a second each); memoise that YAML parsing so the 15 configs load in seconds. Read-only use.
-import mmengine.config.utils as _cfg_utils  # noqa: E402
-
-_cfg_utils.load = functools.lru_cache(maxsize=None)(_cfg_utils.load)
-
-CFG_ROOT = osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'configs')
+from config_helpers import load, registries
 
 HVIT3_DIMS = {'t': [64, 128, 320, 512], 's': [64, 128, 320, 512], 'b': [96, 192, 448, 640]}
 ARCH = {'t': 'tiny', 's': 'small', 'b': 'base'}
@@ -40,33 +32,6 @@ ALL = [*DET, *SEG, *CLS]
 # SyncBN (kept in the seg configs, as the authors) cannot run in a single CPU process
 SEG_BN = {'model.decode_head.norm_cfg': dict(type='BN', requires_grad=True),
           'model.auxiliary_head.norm_cfg': dict(type='BN', requires_grad=True)}
-
-
-@functools.lru_cache(maxsize=None)
-def _load(rel):
-    return Config.fromfile(osp.join(CFG_ROOT, rel))
-
-
-def load(rel, cfg_options=None):
-    cfg = copy.deepcopy(_load(rel))
-    if cfg_options:
-        cfg.merge_from_dict(cfg_options)
-    return cfg
-
-
-def registries(cfg):
-    """MODELS and TRANSFORMS of the config's library, with its default scope set."""
-    scope = cfg.default_scope
-    init_default_scope(scope)
-    if scope == 'mmdet':
-        from mmdet.registry import MODELS, TRANSFORMS
-    elif scope == 'mmseg':
-        from mmseg.registry import MODELS, TRANSFORMS
-    elif scope == 'mmpretrain':
-        from mmpretrain.registry import MODELS, TRANSFORMS
-    else:
-        raise AssertionError(f'unexpected default_scope {scope!r}')
-    return MODELS, TRANSFORMS
 
 
 def size_of(rel):

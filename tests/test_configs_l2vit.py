@@ -5,26 +5,16 @@ classifier) plus tools/test.py (RetinaNet, UperNet) on generated data."""
 import copy
 import functools
 import json
-import os.path as osp
 import subprocess
 import sys
 
 import pytest
 import torch
-from mmengine.config import Config
 from mmengine.optim import build_optim_wrapper
-from mmengine.registry import init_default_scope
 
-# `mmdet::`-style bases make mmengine parse every metafile of the package for each base it resolves;
-# memoise that YAML parsing (read-only use), as tests/test_configs_hvit3.py does.
-import mmengine.config.utils as _cfg_utils  # noqa: E402
-
+from config_helpers import CFG_ROOT, load, registries  # noqa: E402
 from conftest import ROOT, TINY_L2VIT  # noqa: E402
 
-if not isinstance(_cfg_utils.load, functools._lru_cache_wrapper):
-    _cfg_utils.load = functools.lru_cache(maxsize=None)(_cfg_utils.load)
-
-CFG_ROOT = osp.join(ROOT, 'configs')
 DIMS = {'t': [96, 192, 384, 768], 's': [96, 192, 384, 768], 'b': [128, 256, 512, 1024]}
 ARCH = {'t': 'tiny', 's': 'small', 'b': 'base'}
 FILE = {'t': 'Tiny', 's': 'Small', 'b': 'Base'}
@@ -46,34 +36,14 @@ FORWARD = {'mmdet/mask_rcnn_l2vit_t_1x.py', 'mmdet/retinanet_l2vit_t_1x.py',
            'mmseg/upernet_l2vit_t_512x512_160k_ade20k.py', 'mmpretrain/l2vit_t_in1k.py'}
 
 
-@functools.lru_cache(maxsize=None)
-def _load(rel):
-    return Config.fromfile(osp.join(CFG_ROOT, rel))
-
-
-def load(rel):
-    return copy.deepcopy(_load(rel))
-
-
 def size_of(rel):
     return DET[rel][0] if rel in DET else SEG.get(rel) or CLS[rel]
-
-
-def registries(cfg):
-    init_default_scope(cfg.default_scope)
-    if cfg.default_scope == 'mmdet':
-        from mmdet.registry import MODELS
-    elif cfg.default_scope == 'mmseg':
-        from mmseg.registry import MODELS
-    else:
-        from mmpretrain.registry import MODELS
-    return MODELS
 
 
 @functools.lru_cache(maxsize=None)
 def build_model(rel):
     cfg = load(rel)
-    MODELS = registries(cfg)
+    MODELS, _ = registries(cfg)
     model_cfg = copy.deepcopy(cfg.model)
     model_cfg.backbone.init_cfg = None
     if rel in MASK:

@@ -4,7 +4,6 @@ optimiser parameter groups, the detection train pipeline, and one real training 
 tools/train.py on generated data for Mask R-CNN, UperNet and the ImageNet classifier."""
 import copy
 import functools
-import os.path as osp
 import subprocess
 import sys
 
@@ -13,21 +12,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from mmengine.config import Config
 from mmengine.dataset import Compose
 from mmengine.optim import build_optim_wrapper
-from mmengine.registry import init_default_scope
 
-# `mmdet::`-style bases make mmengine parse every metafile of the package for each base it resolves;
-# memoise that YAML parsing (read-only use), as tests/test_configs_hvit3.py does.
-import mmengine.config.utils as _cfg_utils  # noqa: E402
-
+from config_helpers import CFG_ROOT, load, registries
 from conftest import ROOT, TINY_REST
 
-if not isinstance(_cfg_utils.load, functools._lru_cache_wrapper):
-    _cfg_utils.load = functools.lru_cache(maxsize=None)(_cfg_utils.load)
-
-CFG_ROOT = osp.join(ROOT, 'configs')
 SIZES = ('lite', 's', 'b', 'l')
 ARCH = {'lite': 'lite', 's': 'small', 'b': 'base', 'l': 'large'}
 DIMS = {'lite': [64, 128, 256, 512], 's': [64, 128, 256, 512], 'b': [96, 192, 384, 768], 'l': [96, 192, 384, 768]}
@@ -51,30 +41,6 @@ FORWARD = ['mmdet/mask_rcnn_rest_lite_1x.py', 'mmdet/retinanet_rest_lite_1x.py',
 
 SEG_BN = {'model.decode_head.norm_cfg': dict(type='BN', requires_grad=True),
           'model.auxiliary_head.norm_cfg': dict(type='BN', requires_grad=True)}
-
-
-@functools.lru_cache(maxsize=None)
-def _load(rel):
-    return Config.fromfile(osp.join(CFG_ROOT, rel))
-
-
-def load(rel, cfg_options=None):
-    cfg = copy.deepcopy(_load(rel))
-    if cfg_options:
-        cfg.merge_from_dict(cfg_options)
-    return cfg
-
-
-def registries(cfg):
-    scope = cfg.default_scope
-    init_default_scope(scope)
-    if scope == 'mmdet':
-        from mmdet.registry import MODELS, TRANSFORMS
-    elif scope == 'mmseg':
-        from mmseg.registry import MODELS, TRANSFORMS
-    else:
-        from mmpretrain.registry import MODELS, TRANSFORMS
-    return MODELS, TRANSFORMS
 
 
 def size_of(rel):
