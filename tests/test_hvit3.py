@@ -101,7 +101,8 @@ def test_dwconv_inner_grad_equals_autograd():
     loss = -(out * v).sum() * scale / (hh * ww)
     (g,) = torch.autograd.grad(loss, w)
     ref = g / (g.norm(dim=(-2, -1), keepdim=True) + 1)
-    torch.testing.assert_close(dwconv_inner_grad(k, v, scale), ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(dwconv_inner_grad(k.permute(0, 2, 3, 1), v.permute(0, 2, 3, 1), scale), ref,
+                               rtol=0, atol=1e-12)
 
 
 def test_ttt_layer_against_explicit_inner_training():
@@ -113,13 +114,13 @@ def test_ttt_layer_against_explicit_inner_training():
         for p in (layer.w1, layer.w2, layer.w3):
             p.normal_(0, 0.3)
     x = torch.randn(b, hh * ww, c, dtype=torch.float64)
-    rope = tuple(t.double() for t in rope_tables(hh, ww, c))
+    rope = rope_tables(hh, ww, c).to(torch.complex128)
     got = layer(x, (hh, ww), rope)
 
     d = c // nh
     n = hh * ww
     q1, k1, v1, q2, k2, v2 = layer.qkv(x).split([c, c, c, d, d, d], -1)
-    q1, k1 = apply_rope(q1, *rope).double(), apply_rope(k1, *rope).double()
+    q1, k1 = apply_rope(q1, rope), apply_rope(k1, rope)
     outs = []
     for i in range(b):
         heads = []
@@ -144,6 +145,58 @@ def test_ttt_layer_against_explicit_inner_training():
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-10)
 
 
+def test_swiglu_fused_kernel_path_equals_autograd_path():
+    """Inference takes aten.silu_backward for v*z1*SiLU'(z2); training the differentiable formula."""
+    torch.manual_seed(0)
+    k, v = torch.randn(2, 3, 50, 8, dtype=torch.float64), torch.randn(2, 3, 50, 8, dtype=torch.float64)
+    w1, w2 = torch.randn(1, 3, 8, 8, dtype=torch.float64), torch.randn(1, 3, 8, 8, dtype=torch.float64)
+    with torch.no_grad():
+        fused = swiglu_inner_grads(k, v, w1, w2, 1 / 3)
+    plain = swiglu_inner_grads(k, v, w1, w2, 1 / 3)
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
+
+
+def _ttt_layer_and_input(recompute, dtype=torch.float64):
+    torch.manual_seed(3)
+    layer = TTTAttention(16, 2, recompute=recompute).to(dtype)
+    with torch.no_grad():
+        for p in (layer.w1, layer.w2, layer.w3):
+            p.normal_(0, 0.3)
+    x = torch.randn(2, 5 * 6, 16, dtype=dtype, requires_grad=True)
+    return layer, x
+
+
+def test_ttt_recompute_function_gives_autograd_gradients():
+    """TTTCore (saves qkv, recomputes the inner models in backward) = plain autograd through ttt_core,
+    for the input, qkv/proj weights and the three inner-model initial weights."""
+    grads = []
+    for recompute in (True, False):
+        layer, x = _ttt_layer_and_input(recompute)
+        rot = rope_tables(5, 6, 16).to(torch.complex128)
+        y = layer(x, (5, 6), rot)
+        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+        grads.append([x.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_ttt_recompute_keeps_fewer_tensors_for_backward():
+    """What autograd keeps for backward, in bytes: the recomputing layer keeps only x (for qkv), the qkv
+    tokens and the proj input, far below the plain graph (which keeps every inner-model temporary)."""
+    kept = {}
+    for recompute in (True, False):
+        layer, x = _ttt_layer_and_input(recompute, torch.float32)
+        total = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: total.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            layer(x, (5, 6), rope_tables(5, 6, 16))
+        kept[recompute] = sum(total)
+    n, c, d = 2 * 30, 16, 8
+    assert kept[True] <= 4 * (n * c + n * (3 * c + 3 * d) + n * (c + d)) + 4 * (16 * 54 + 24 * 16) + 8 * 4 * 1024
+    assert kept[True] < 0.5 * kept[False]
+
+
 def test_scale_is_constant_across_calls():
     """No first-call special case: the same input gives the same output on every call."""
     m = HViT3(arch=TINY_HVIT3).eval()
@@ -157,7 +210,7 @@ def test_scale_is_constant_across_calls():
 # ---------------------------------------------------------------- RoPE
 def test_rope_matches_complex_rotation():
     h, w, c = 5, 7, 16
-    cos, sin = rope_tables(h, w, c)
+    rot = rope_tables(h, w, c)
     x = torch.randn(2, h * w, c)
     k = c // 4
     theta = 10000 ** (-torch.arange(k, dtype=torch.float64) / k)
@@ -165,18 +218,18 @@ def test_rope_matches_complex_rotation():
     ang = torch.cat([ys.reshape(-1, 1) * theta, xs.reshape(-1, 1) * theta], 1)  # (N, C/2)
     z = torch.view_as_complex(x.double().reshape(2, h * w, c // 2, 2).contiguous())
     ref = torch.view_as_real(z * torch.polar(torch.ones_like(ang), ang)).reshape(2, h * w, c)
-    torch.testing.assert_close(apply_rope(x, cos, sin).double(), ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(apply_rope(x, rot).double(), ref, rtol=0, atol=1e-5)
     # first half of the channels rotates with the row only, second half with the column only
-    rows = apply_rope(torch.ones(1, h * w, c), cos, sin).reshape(h, w, c)
+    rows = apply_rope(torch.ones(1, h * w, c), rot).reshape(h, w, c)
     assert torch.allclose(rows[:, :1, :c // 2].expand(-1, w, -1), rows[:, :, :c // 2])
     assert torch.allclose(rows[:1, :, c // 2:].expand(h, -1, -1), rows[:, :, c // 2:])
 
 
 def test_rope_tables_from_inference_mode_serve_training():
     with torch.inference_mode():
-        cos, sin = rope_tables(4, 4, 8)
+        rot = rope_tables(4, 4, 8)
     x = torch.randn(1, 16, 8, requires_grad=True)
-    apply_rope(x, cos, sin).sum().backward()
+    apply_rope(x, rot).sum().backward()
     assert x.grad is not None
 
 

@@ -51,9 +51,11 @@ class TTTBlock(nn.Module):
         self.mlp = (ConvMlp if conv_mlp else Mlp)(dim, int(dim * mlp_ratio), drop=drop)
 
     def forward(self, x, hw_shape, rope=None):
-        x = x + self.cpe(x, hw_shape)
-        x = x + self.drop_path(self.attn(self.norm1(x), hw_shape, rope))
-        return x + self.drop_path(self.mlp(self.norm2(x), hw_shape))
+        # residuals are added into the branch outputs: none of conv, proj, fc2 or DropPath keeps its
+        # output for backward, so this is autograd-safe and saves a (B, N, C) temporary per add
+        x = self.cpe(x, hw_shape).add_(x)
+        x = self.drop_path(self.attn(self.norm1(x), hw_shape, rope)).add_(x)
+        return self.drop_path(self.mlp(self.norm2(x), hw_shape)).add_(x)
 
 
 class HViT3Stage(nn.Module):

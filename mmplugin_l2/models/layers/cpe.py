@@ -1,13 +1,13 @@
 """CPE, conditional positional encoding: a depth-wise 3x3 convolution over the token map.
 
-It is an `nn.Conv2d` (keys `weight`, `bias`) so the authors' checkpoints load unchanged; `forward` takes
+It is an `nn.Conv2d` (a channels-last `Conv2dCL`; keys `weight`, `bias`) so the authors' checkpoints load unchanged; `forward` takes
 tokens (B, N, C) with their map size (H, W) and returns the conv output as tokens (B, N, C). The caller adds
 the residual (x = x + cpe(x, hw)).
 """
-import torch.nn as nn
+from .conv import Conv2dCL
 
 
-class CPE(nn.Conv2d):
+class CPE(Conv2dCL):
 
     def __init__(self, dim, kernel_size=3):
         super().__init__(dim, dim, kernel_size, padding=kernel_size // 2, groups=dim)

@@ -5,29 +5,38 @@ The token at integer grid position (y, x) gets the C/2 angles [y*theta_0 .. y*th
 x*theta_0 .. x*theta_{k_max-1}]; channel pairs (2j, 2j+1) are rotated as complex numbers by angle j
 (interleaved convention), so channels [0, C/2) encode rows and [C/2, C) encode columns.
 
-`rope_tables(h, w, c)` computes the (H*W, C/2) cos/sin tables once per stage and size;
-`apply_rope(x, cos, sin)` rotates tokens (B, N, C) and returns fp32, as the authors' code does.
+`rope_tables(h, w, c)` computes the (H*W, C/2) complex rotation table cos + i sin once per stage and size;
+`apply_rope(x, rot)` rotates tokens (B, N, C) with one complex multiply (no cos/sin temporaries, no stack)
+and returns fp32 for fp32/fp16/bf16 input, as the authors' code does. Bit-identical to the authors'
+real-valued form re*cos - im*sin, im*cos + re*sin.
 """
 import torch
 
 
 def rope_tables(h, w, c, device=None, base=10000):
-    """cos and sin tables of shape (h*w, c/2), fp32, never requiring grad."""
+    """Complex rotation table cos + i*sin of shape (h*w, c/2), complex64, never requiring grad."""
     if c % 4:
         raise ValueError(f'2-D RoPE needs a channel count divisible by 4, got {c}')
     k_max = c // 4
-    # Built outside inference mode so the tables can also serve a later training forward.
+    # Built outside inference mode so the table can also serve a later training forward.
     with torch.inference_mode(False), torch.no_grad():
         theta = 1 / (base ** (torch.arange(k_max, device=device) / k_max))
         ys, xs = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device),
                                 indexing='ij')
         angles = torch.cat([ys.unsqueeze(-1) * theta, xs.unsqueeze(-1) * theta], dim=-1)
         angles = angles.reshape(h * w, c // 2)
-        return torch.cos(angles), torch.sin(angles)
+        return torch.complex(torch.cos(angles), torch.sin(angles))
 
 
-def apply_rope(x, cos, sin):
-    """Rotate interleaved channel pairs of tokens x (B, N, C) by the tables (N, C/2); returns fp32."""
-    x = x.float().unflatten(-1, (-1, 2))
-    re, im = x[..., 0], x[..., 1]
-    return torch.stack([re * cos - im * sin, im * cos + re * sin], dim=-1).flatten(-2)
+def apply_rope(x, rot):
+    """Rotate interleaved channel pairs of tokens x (B, N, C) by the table `rot` (N, C/2).
+
+    Returns fp32 (fp64 for fp64 input). `x` may be a strided channel slice (e.g. of a fused qkv output)
+    as long as its last dimension is contiguous."""
+    if x.dtype != torch.float64:
+        x = x.float()
+    else:
+        rot = rot.to(torch.complex128)
+    if x.stride(-1) != 1 or x.storage_offset() % 2 or any(s % 2 for s in x.stride()[:-1]):
+        x = x.contiguous()
+    return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * rot).flatten(-2)

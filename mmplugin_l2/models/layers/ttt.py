@@ -10,6 +10,14 @@ is applied to the queries. Two inner models run side by side:
 
 Both gradients are computed in closed form (no autograd inside forward, so the outer gradient flows
 through them as ordinary ops) and normalised as g / (||g|| + 1). Cost is linear in the token count N.
+
+Speed and memory (same maths as the authors' code, outputs equal to rounding):
+* W1 and W2 are applied as one (d, 2d) matrix, and both inner gradients come from one k^T [a1 | a2]
+  product; without autograd the SwiGLU derivative is one fused kernel (`aten.silu_backward`);
+* the conv head works on channels-last (B, H, W, d) maps: its gradient is 9 shifted dot products over
+  contiguous rows, its per-sample depth-wise conv runs with a channels-last kernel;
+* in training, `TTTCore` (an autograd Function) keeps only the fused qkv tensor for backward and
+  recomputes the inner-model intermediates there, instead of storing ~10 (B, N, C) temporaries per block.
 """
 import torch
 import torch.nn as nn
@@ -24,6 +32,22 @@ def normalize_inner_grad(g, dim):
     return g / (g.norm(dim=dim, keepdim=True) + 1.0)
 
 
+def _swiglu_grad_pair(k, v, w12, scale, fused):
+    """Normalised [g1 | g2] (B, H, d, 2d) of L = -(scale/N) sum((k W1) * SiLU(k W2) * v), w12 = [W1 | W2]."""
+    d = w12.shape[-1] // 2
+    z = k @ w12
+    z1, z2 = z[..., :d], z[..., d:]
+    if fused:   # no autograd needed: v * z1 * SiLU'(z2) in one kernel
+        a2 = torch.ops.aten.silu_backward(v * z1, z2)
+    else:
+        sig = torch.sigmoid(z2)
+        a2 = v * z1 * (sig * (1.0 + z2 * (1.0 - sig)))   # SiLU'(z2) = s (1 + z2 (1 - s))
+    a = torch.cat([v * F.silu(z2), a2], dim=-1)        # dL/dz1, dL/dz2 up to -scale/N
+    g = (k.transpose(-2, -1) @ a) * (-scale / float(k.shape[-2]))
+    # the norm over dim -2 is per column, so [g1 | g2] is normalised in one go
+    return normalize_inner_grad(g, -2)
+
+
 def swiglu_inner_grads(k, v, w1, w2, scale):
     """Closed-form gradients of L = -(scale/N) * sum(f(k) * v) with f(k) = (k W1) * SiLU(k W2).
 
@@ -32,14 +56,8 @@ def swiglu_inner_grads(k, v, w1, w2, scale):
     Returns:
         (g1, g2): (B, H, d, d) normalised gradients w.r.t. W1 and W2.
     """
-    z1 = k @ w1
-    z2 = k @ w2
-    sig = torch.sigmoid(z2)
-    e = -v / float(v.shape[2]) * scale                  # dL/df
-    kt = k.transpose(-2, -1)
-    g1 = kt @ (e * (z2 * sig))                           # df/dz1 = SiLU(z2)
-    g2 = kt @ (e * z1 * (sig * (1.0 + z2 * (1.0 - sig))))  # SiLU'(z2) = s (1 + z2 (1 - s))
-    return normalize_inner_grad(g1, -2), normalize_inner_grad(g2, -2)
+    g = _swiglu_grad_pair(k, v, torch.cat([w1, w2], dim=-1), scale, fused=not torch.is_grad_enabled())
+    return g.chunk(2, dim=-1)
 
 
 def dwconv_inner_grad(k, v, scale):
@@ -47,15 +65,88 @@ def dwconv_inner_grad(k, v, scale):
     depth-wise 3x3 kernel w (zero padding 1, cross-correlation as F.conv2d).
 
     Args:
-        k, v: (B, d, H, W). Returns: (B*d, 1, 3, 3) normalised gradient (per sample and channel).
+        k, v: (B, H, W, d) channels-last maps (strided views are fine).
+    Returns:
+        (B*d, 1, 3, 3) normalised gradient (per sample and channel).
     """
-    b, c, h, w = k.shape
-    e = -v / float(h * w) * scale
-    kp = F.pad(k, (1, 1, 1, 1))
-    g = torch.stack([(kp[:, :, dy:dy + h, dx:dx + w] * e).sum(dim=(-2, -1))
+    b, h, w, c = k.shape
+    kp = F.pad(k, (0, 0, 1, 1, 1, 1))
+    g = torch.stack([(kp[:, dy:dy + h, dx:dx + w] * v).sum(dim=(1, 2))
                      for dy in range(3) for dx in range(3)], dim=-1)
-    g = g.reshape(b * c, 1, 3, 3)
+    g = (g * (-scale / float(h * w))).reshape(b * c, 1, 3, 3)
     return normalize_inner_grad(g, (-2, -1))
+
+
+def dwconv_per_sample(x, weight):
+    """Depth-wise 3x3 conv (padding 1) with a different kernel per sample.
+
+    Args:
+        x: (B, H, W, d) channels-last map. weight: (B*d, 1, 3, 3).
+    Returns:
+        (B, H*W, d) tokens.
+    """
+    b, h, w, d = x.shape
+    x = x.permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
+    weight = weight.to(memory_format=torch.channels_last)
+    outs = [F.conv2d(x[i:i + 1], weight[i * d:(i + 1) * d], padding=1, groups=d) for i in range(b)]
+    out = outs[0] if b == 1 else torch.cat(outs)
+    return out.permute(0, 2, 3, 1).reshape(b, h * w, d)
+
+
+def ttt_core(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, fused=False):
+    """Both inner models from the fused qkv tokens (B, N, 3C + 3d) to the proj input (B, N, C + d).
+
+    `rot` is the complex RoPE table (N, C/2) or None. `fused=True` takes kernels that have no autograd
+    formula (inference, or the forward of `TTTCore`)."""
+    b, n, _ = qkv.shape
+    h, w = hw_shape
+    d = w1.shape[-1]
+    c = num_heads * d
+    q1, k1, v1, q2, k2, v2 = qkv.split([c, c, c, d, d, d], dim=-1)
+    if rot is not None:
+        q1, k1 = apply_rope(q1, rot), apply_rope(k1, rot)
+
+    def heads(t):
+        return t.unflatten(-1, (num_heads, d)).transpose(1, 2)
+
+    q1, k1, v1 = heads(q1), heads(k1), heads(v1)
+    w12 = torch.cat([w1, w2], dim=-1)
+    w12 = w12 - lr * _swiglu_grad_pair(k1, v1, w12, scale, fused)
+    z = q1 @ w12
+    x1 = (z[..., :d] * F.silu(z[..., d:])).transpose(1, 2).reshape(b, n, c)
+
+    def spatial(t):
+        return t.unflatten(1, (h, w))
+
+    w3 = w3.repeat(b, 1, 1, 1) - lr * dwconv_inner_grad(spatial(k2), spatial(v2), scale)
+    x2 = dwconv_per_sample(spatial(q2), w3)
+    return torch.cat([x1, x2.to(x1.dtype)], dim=-1)
+
+
+class TTTCore(torch.autograd.Function):
+    """`ttt_core` that saves only its inputs and recomputes the inner models in backward."""
+
+    @staticmethod
+    def forward(ctx, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
+        dev = qkv.device.type
+        ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        ctx.args = (hw_shape, num_heads, scale, lr)
+        ctx.rot = rot
+        ctx.save_for_backward(qkv, w1, w2, w3)
+        return ttt_core(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, fused=True)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = ctx.saved_tensors
+        needs = [ctx.needs_input_grad[i] for i in (0, 2, 3, 4)]
+        inputs = [t.detach().requires_grad_(r) for t, r in zip(saved, needs)]
+        dev, enabled, dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast(dev, enabled=enabled, dtype=dtype):
+            out = ttt_core(inputs[0], ctx.rot, *inputs[1:], *ctx.args)
+        wrt = [t for t, r in zip(inputs, needs) if r]
+        grads = iter(torch.autograd.grad(out, wrt, grad_out)) if wrt else iter(())
+        g = [next(grads) if r else None for r in needs]
+        return g[0], None, g[1], g[2], g[3], None, None, None, None
 
 
 class TTTAttention(nn.Module):
@@ -71,9 +162,11 @@ class TTTAttention(nn.Module):
             code uses 1/sqrt(32) for the SwiGLU model on the first call of each module only; that
             defect is not reproduced.)
         lr (float): inner learning rate. Default: 1.0.
+        recompute (bool): in training, keep only the qkv tokens for backward and recompute the inner
+            models there (`TTTCore`); same gradients, far less memory. Default: True.
     """
 
-    def __init__(self, dim, num_heads, qkv_bias=True, scale=1 / 3, lr=1.0):
+    def __init__(self, dim, num_heads, qkv_bias=True, scale=1 / 3, lr=1.0, recompute=True):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f'dim {dim} is not divisible by num_heads {num_heads}')
@@ -82,6 +175,7 @@ class TTTAttention(nn.Module):
         self.head_dim = d = dim // num_heads
         self.scale = scale
         self.lr = lr
+        self.recompute = recompute
         self.qkv = nn.Linear(dim, dim * 3 + d * 3, bias=qkv_bias)
         self.w1 = nn.Parameter(torch.zeros(1, num_heads, d, d))
         self.w2 = nn.Parameter(torch.zeros(1, num_heads, d, d))
@@ -91,31 +185,19 @@ class TTTAttention(nn.Module):
         self.proj = nn.Linear(dim + d, dim)
 
     def forward(self, x, hw_shape, rope=None):
-        """x: (B, N, C); hw_shape: (H, W); rope: None or the (cos, sin) tables of `rope_tables`."""
+        """x: (B, N, C); hw_shape: (H, W); rope: None or the complex table of `rope_tables`."""
         b, n, c = x.shape
-        h, w = hw_shape
-        nh, d = self.num_heads, self.head_dim
-        q1, k1, v1, q2, k2, v2 = self.qkv(x).split([c, c, c, d, d, d], dim=-1)
-        if rope is not None:
-            q1, k1 = apply_rope(q1, *rope), apply_rope(k1, *rope)
-
-        def heads(t):
-            return t.reshape(b, n, nh, d).transpose(1, 2)
-
-        def spatial(t):
-            return t.transpose(1, 2).reshape(b, d, h, w)
-
-        q1, k1, v1 = heads(q1), heads(k1), heads(v1)
-        g1, g2 = swiglu_inner_grads(k1, v1, self.w1, self.w2, self.scale)
-        w1, w2 = self.w1 - self.lr * g1, self.w2 - self.lr * g2
-        x1 = (q1 @ w1) * F.silu(q1 @ w2)
-        x1 = x1.transpose(1, 2).reshape(b, n, c)
-
-        q2, k2, v2 = spatial(q2), spatial(k2), spatial(v2)
-        w3 = self.w3.repeat(b, 1, 1, 1) - self.lr * dwconv_inner_grad(k2, v2, self.scale)
-        x2 = F.conv2d(q2.reshape(1, b * d, h, w), w3, padding=1, groups=b * d)
-        x2 = x2.reshape(b, d, n).transpose(1, 2)
-        return self.proj(torch.cat([x1, x2.to(x1.dtype)], dim=-1))
+        if n != hw_shape[0] * hw_shape[1]:
+            raise ValueError(f'{n} tokens do not form a {hw_shape[0]}x{hw_shape[1]} map')
+        qkv = self.qkv(x)
+        args = (qkv, rope, self.w1, self.w2, self.w3, tuple(hw_shape), self.num_heads, self.scale, self.lr)
+        if not torch.is_grad_enabled():
+            y = ttt_core(*args, fused=True)
+        elif self.recompute:
+            y = TTTCore.apply(*args)
+        else:
+            y = ttt_core(*args)
+        return self.proj(y)
 
     def extra_repr(self):
         return f'dim={self.dim}, num_heads={self.num_heads}, scale={self.scale:.4g}'
