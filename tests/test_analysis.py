@@ -1,8 +1,10 @@
-"""tools/analysis: the FLOPs counter against hand-computed values."""
+"""tools/analysis: the FLOPs counter against hand-computed values; the benchmark, also against the authors'
+code."""
 import json
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
 LENET_CFG = """
@@ -67,3 +69,134 @@ def test_benchmark_writes_every_field(tmp_path):
         assert set(exps) == {'64x64->72x96', '72x96->128x128', '64x64->128x128'}
     png = (out / 'benchmark.png').read_bytes()
     assert png[:8] == b'\x89PNG\r\n\x1a\n' and len(png) > 10_000
+
+
+# ---- benchmark against the authors' code (tools/analysis/benchmark.py --authors-code) --------------------
+# Their checkouts are not available here: these tests cover the argument handling, the import glue (on a
+# stand-in file of ours laid out like theirs), the parity arithmetic and the ratios.
+
+def _benchmark_cli():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location('_benchmark_cli', f'{ROOT}/tools/analysis/benchmark.py')
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _fake_checkout(root, family, text=''):
+    from mmplugin_l2.analysis import authors
+    path = root / authors.FAMILIES[family][1]
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    return root
+
+
+def test_authors_code_arguments(tmp_path):
+    cli = _benchmark_cli()
+    vittt = _fake_checkout(tmp_path / 'ViTTT', 'ViTTT')
+    rest = _fake_checkout(tmp_path / 'ResT', 'ResT')
+    args = cli.parse_args(['--models', 'hvit3_t', 'l2vit_t', 'rest_s', 'swin_t',
+                           '--authors-code', f'vittt={vittt}', f'ResT={rest}'])
+    assert args.authors_code == {'ViTTT': str(vittt), 'ResT': str(rest)}
+    assert cli.compared_models(args.models, args.authors_code) == {'hvit3_t': str(vittt), 'rest_s': str(rest)}
+    assert cli.parse_args([]).authors_code == {}
+
+
+def test_authors_code_errors_are_clear(tmp_path, capsys):
+    cli = _benchmark_cli()
+
+    def error(*argv):
+        with pytest.raises(SystemExit) as e:
+            cli.parse_args(['--authors-code', *argv])
+        assert e.value.code == 2
+        return capsys.readouterr().err
+
+    err = error(f'ViTTT={tmp_path}/nowhere')
+    assert f'{tmp_path}/nowhere' in err and 'not a directory' in err and 'github.com/Liyining-ai/ViTTT' in err
+    (tmp_path / 'L2ViT').mkdir()
+    err = error(f'L2ViT={tmp_path}/L2ViT')
+    assert f'{tmp_path}/L2ViT/object_detection/mmdet/models/backbones/l2vit.py is missing' in err
+    assert 'github.com/ChuanyangZheng/L2ViT' in err
+    assert 'FAMILY=PATH with FAMILY one of ViTTT, L2ViT, ResT' in error('ResT')
+    assert "got 'Swin=/x'" in error('Swin=/x')
+    rest = _fake_checkout(tmp_path / 'ResT', 'ResT')
+    assert 'ResT given twice' in error(f'ResT={rest}', f'rest={rest}')
+
+
+def test_authors_code_needs_timm(monkeypatch):
+    from mmplugin_l2.analysis import authors
+    monkeypatch.setitem(sys.modules, 'timm', None)  # makes `import timm` fail
+    with pytest.raises(ImportError, match='pip install timm'):
+        authors.require_timm()
+
+
+FAKE_VITTT = '''
+import torch.nn as nn
+from ..builder import BACKBONES
+from ...utils import get_root_logger
+from mmdet.registry import MODELS
+from mmplugin_l2.models.backbones.hvit3 import HViT3
+
+
+@MODELS.register_module()
+class ViTTT(HViT3):
+    """Ours, with 0.25 added to the last stage: the parity check must see exactly that."""
+
+    def forward(self, x):
+        outs = super().forward(x)
+        return list(outs[:-1]) + [outs[-1] + 0.25]
+
+
+@MODELS.register_module()
+def vittt_tiny(**kwargs):
+    return ViTTT(arch='tiny', **kwargs)
+'''
+
+
+def test_authors_import_glue_parity_and_worker(tmp_path, monkeypatch):
+    """A file laid out like the authors' ViTTT one (relative `..builder` / `...utils` imports, mmdet's
+    registry decorator) is imported through the stand-ins, which are removed again afterwards; the parity
+    check loads its weights into ours and reports the per-stage difference; the worker times it."""
+    import mmdet.registry
+    from mmplugin_l2.analysis import authors
+    from mmplugin_l2.analysis import benchmark as bm
+    monkeypatch.setattr(authors, 'require_timm', lambda: None)
+    root = _fake_checkout(tmp_path / 'ViTTT', 'ViTTT', FAKE_VITTT)
+    res = authors.parity('hvit3_t', str(root), (64, 96))
+    assert sys.modules['mmdet.registry'] is mmdet.registry and 'ViTTT' not in mmdet.registry.MODELS.module_dict
+    assert [s['shape'] for s in res['stages']] == [[2, 64, 16, 24], [2, 128, 8, 12], [2, 320, 4, 6],
+                                                   [2, 512, 2, 3]]
+    assert [s['max_abs_diff'] for s in res['stages'][:3]] == [0, 0, 0]
+    assert abs(res['stages'][3]['max_abs_diff'] - 0.25) < 1e-5
+    assert res['max_abs_diff'] == res['stages'][3]['max_abs_diff']
+    assert res['family'] == 'ViTTT' and res['size'] == [64, 96] and res['ours_cfg'] == {}
+    r = bm.worker('hvit3_t@authors', (64, 64), 'latency', 1, 0, 1, 'cpu', authors_root=str(root))
+    assert r['model'] == 'hvit3_t@authors' and r['latency_ms'] > 0
+    assert r['params'] == sum(p.numel() for p in bm.build('hvit3_t').parameters())
+    with pytest.raises(ValueError, match='mod 32'):
+        authors.check_size('rest_s', (224, 200))
+    authors.check_size('rest_s', (800, 1343))
+    authors.check_size('hvit3_t', (200, 201))
+
+
+def test_vs_authors_ratios_and_report(tmp_path):
+    from mmplugin_l2.analysis import benchmark as bm
+
+    def row(size, lat, mem):
+        return dict(size=size, tokens=bm.tokens(size), latency_ms=lat, throughput=None, train_peak_mem_mb=mem)
+    by_model = {'hvit3_t': [row([224, 224], 10., 52.), row([800, 1344], 100., None)],
+                'hvit3_t@authors': [row([224, 224], 13.1, 100.), row([800, 1344], 150., 80.)],
+                'swin_t': [row([224, 224], 5., 20.)]}
+    res = bm.vs_authors(by_model, {'hvit3_t': dict(max_abs_diff=3e-7)})
+    assert list(res) == ['hvit3_t'] and list(res['hvit3_t']) == ['224x224', '800x1344']
+    r = res['hvit3_t']['224x224']
+    assert r['speedup'] == pytest.approx(1.31) and r['mem_ratio'] == pytest.approx(0.52) and r['max_abs_diff'] == 3e-7
+    assert res['hvit3_t']['800x1344'] == dict(speedup=1.5, mem_ratio=None, max_abs_diff=3e-7)
+    assert (bm.format_vs_authors('hvit3_t', '224x224', r)
+            == 'hvit3_t vs authors at 224x224: forward 1.31x faster, train memory 0.52x, max |diff| 3.0e-07')
+    assert bm.format_vs_authors('hvit3_t', '800x1344', res['hvit3_t']['800x1344']).endswith('train memory -x, '
+                                                                                            'max |diff| 3.0e-07')
+    assert bm.vs_authors(by_model)['hvit3_t']['224x224']['max_abs_diff'] is None
+    summary = dict(by_model=by_model, device='cpu', batch=1, torch='x')
+    bm.plot(summary, tmp_path / 'p.png')  # the authors' lines dashed, in their model's colour
+    assert (tmp_path / 'p.png').read_bytes()[:4] == b'\x89PNG'

@@ -4,7 +4,7 @@ log-log PNG plot.
 
     python tools/analysis/benchmark.py [--models hvit3_t l2vit_t rest_s swin_t pvtv2_b2]
         [--sizes 224 512 800x1344 1248] [--batch 1] [--warmup 2] [--iters 5] [--device cpu|cuda]
-        [--out-dir work_dirs/benchmark]
+        [--out-dir work_dirs/benchmark] [--authors-code ViTTT=PATH L2ViT=PATH ResT=PATH]
 
 How it measures: every (model, size) measurement runs in a fresh Python subprocess, so no allocator state
 or cache carries over. Latency: `--warmup` then `--iters` no-grad forwards, median wall time (CUDA:
@@ -14,6 +14,20 @@ resident set (getrusage ru_maxrss) minus its resident set just before the step (
 built), i.e. what the step itself adds. Ratios between models in one run are what matter; absolute
 numbers depend on the machine. Models: see MODELS in mmplugin_l2/analysis/benchmark.py (ours plus mmdet's
 Swin-T and PVTv2-b2).
+
+Against the authors' code: `--authors-code FAMILY=PATH ...` names the root of a clone of their repository
+per family, ViTTT (github.com/Liyining-ai/ViTTT: H-ViT3), L2ViT (github.com/ChuanyangZheng/L2ViT) and ResT
+(github.com/wofmanaf/ResT); timm must be installed (`pip install timm`). Their dense-prediction backbone file
+is imported from the checkout (mmplugin_l2/analysis/authors.py; nothing is copied) and each of --models
+with a counterpart there (hvit3_*, l2vit_*, rest_*) is also measured as `<model>@authors` by the same
+protocol. Once per model, at the smallest size, a parity check loads their randomly initialised weights
+(norms and BatchNorm statistics randomised too) into ours and reports max |ours - theirs| per stage (eval
+mode, batch 2, their model called once first). Our models are measured in the configuration that
+reproduces the authors' outputs: ResT with norm_in_path=True (their detectron2 backbone's output norms of
+stages 1-3 feed the next stage; same cost as the default side branch); the others as in MODELS. The
+authors' ResT needs H, W mod 32 in {0, 29, 30, 31}. Printed and in the JSON (`vs_authors`, `parity`):
+speedup = their latency / ours, mem_ratio = our training-step peak / theirs. Their lines are dashed in
+the plot.
 """
 import argparse
 import json
@@ -26,7 +40,18 @@ import sys
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+from mmplugin_l2.analysis import authors  # noqa: E402
 from mmplugin_l2.analysis import benchmark as bm  # noqa: E402
+
+
+def _family_path(s):
+    """'FAMILY=PATH' -> (family, path), family matched case-insensitively."""
+    fam, sep, path = s.partition('=')
+    match = [f for f in authors.FAMILIES if f.lower() == fam.strip().lower()]
+    if not sep or not path or not match:
+        raise argparse.ArgumentTypeError(f'expected FAMILY=PATH with FAMILY one of '
+                                         f'{", ".join(authors.FAMILIES)}, got {s!r}')
+    return match[0], path
 
 
 def parse_args(argv=None):
@@ -41,8 +66,30 @@ def parse_args(argv=None):
     p.add_argument('--device', default='cuda' if _cuda() else 'cpu')
     p.add_argument('--no-memory', action='store_true', help='skip the training-step memory measurements')
     p.add_argument('--out-dir', default='work_dirs/benchmark')
+    p.add_argument('--authors-code', nargs='+', type=_family_path, default=[], metavar='FAMILY=PATH',
+                   help='also measure the authors\' implementations from these checkouts, FAMILY one of '
+                        f'{", ".join(authors.FAMILIES)} (see below)')
     p.add_argument('--worker', nargs=3, metavar=('MODEL', 'SIZE', 'MODE'), help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    p.add_argument('--authors-root', help=argparse.SUPPRESS)
+    p.add_argument('--cfg', help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    code = {}
+    for fam, path in args.authors_code:
+        if fam in code:
+            p.error(f'--authors-code: {fam} given twice')
+        try:
+            authors.check_root(fam, path)
+        except FileNotFoundError as e:
+            p.error(f'--authors-code: {e}')
+        code[fam] = osp.abspath(path)
+    args.authors_code = code
+    return args
+
+
+def compared_models(models, authors_code):
+    """{model: checkout root} for the models of `models` whose authors' family has a checkout."""
+    return {n: authors_code[authors.AUTHORS[n][0]] for n in models
+            if n in authors.AUTHORS and authors.AUTHORS[n][0] in authors_code}
 
 
 def _cuda():
@@ -50,10 +97,12 @@ def _cuda():
     return torch.cuda.is_available()
 
 
-def run_one(args, name, size, mode):
+def run_one(args, name, size, mode, root=None, cfg=None):
     cmd = [sys.executable, osp.abspath(__file__), '--worker', name, f'{size[0]}x{size[1]}', mode,
-           '--batch', str(args.batch), '--warmup', str(args.warmup), '--iters', str(args.iters),
-           '--device', args.device]
+           '--batch', str(2 if mode == 'parity' else args.batch), '--warmup', str(args.warmup),
+           '--iters', str(args.iters), '--device', args.device]
+    cmd += ['--authors-root', root] if root else []
+    cmd += ['--cfg', json.dumps(cfg)] if cfg else []
     r = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith('{')]
     if r.returncode != 0 or not lines:
@@ -67,26 +116,52 @@ def main(argv=None):
     if args.worker:
         name, size, mode = args.worker
         print(json.dumps(bm.worker(name, bm.parse_size(size), mode, args.batch, args.warmup, args.iters,
-                                   args.device)))
+                                   args.device, json.loads(args.cfg) if args.cfg else None,
+                                   args.authors_root)))
         return
     import torch
     sizes = [bm.parse_size(s) for s in args.sizes]
     modes = ['latency'] + ([] if args.no_memory else ['memory'])
-    jobs = [(n, s, m) for n in args.models for s in sizes for m in modes]
-    raw = []
-    for i, (name, size, mode) in enumerate(jobs, 1):
-        res = run_one(args, name, size, mode)
+    compared = compared_models(args.models, args.authors_code)
+    if args.authors_code and not compared:
+        print(f'note: none of --models {" ".join(args.models)} has a counterpart in the authors\' code given '
+              f'({", ".join(args.authors_code)}); known: {", ".join(sorted(authors.AUTHORS))}')
+    if compared:
+        try:
+            authors.require_timm()
+        except ImportError as e:
+            raise SystemExit(f'benchmark.py: error: {e}')
+    ours_cfg = {n: authors.OURS_MATCHING_CFG[n] for n in compared if n in authors.OURS_MATCHING_CFG}
+    smallest = min(sizes, key=bm.tokens)
+    jobs = []  # (name, size, mode, authors' root, extra config of ours)
+    for n in args.models:
+        root = compared.get(n)
+        if root:
+            jobs.append((n, smallest, 'parity', root, None))
+        jobs += [(n, s, m, None, ours_cfg.get(n)) for s in sizes for m in modes]
+        if root:
+            jobs += [(n + bm.AUTHORS_TAG, s, m, root, None) for s in sizes for m in modes]
+    width = max([9] + [len(j[0]) for j in jobs])
+    raw, parity = [], {}
+    for i, (name, size, mode, root, cfg) in enumerate(jobs, 1):
+        res = run_one(args, name, size, mode, root, cfg)
         raw.append(res)
         if 'error' in res:
             msg = f'failed: {res["error"]}'
         elif mode == 'latency':
             msg = f'{res["latency_ms"]:10.1f} ms  {res["throughput"]:8.2f} img/s'
+        elif mode == 'parity':
+            msg = f'max |ours - authors| {res["max_abs_diff"]:.1e} over {len(res["stages"])} stages'
         else:
             msg = f'{res["train_peak_mem_mb"]:10.1f} MB train-step peak'
-        print(f'[{i:3d}/{len(jobs)}] {name:9s} {size[0]}x{size[1]:<5d} {mode:8s} {msg}', flush=True)
+        if mode == 'parity':
+            parity[name] = res
+        print(f'[{i:3d}/{len(jobs)}] {name:{width}s} {size[0]}x{size[1]:<5d} {mode:8s} {msg}', flush=True)
 
     by_model = {}
     for r in raw:
+        if r['mode'] == 'parity':
+            continue
         row = next((x for x in by_model.setdefault(r['model'], []) if x['size'] == r['size']), None)
         if row is None:
             row = dict(size=r['size'], tokens=r['tokens'], latency_ms=None, throughput=None,
@@ -103,24 +178,39 @@ def main(argv=None):
                    + (f', {torch.cuda.get_device_name()}' if args.device.startswith('cuda') else ''),
                    torch=torch.__version__, batch=args.batch, warmup=args.warmup, iters=args.iters,
                    sizes=[list(s) for s in sizes], by_model=by_model,
-                   scaling_exponent=bm.scaling_exponents(lat_rows, sizes), raw=raw)
+                   scaling_exponent=bm.scaling_exponents(lat_rows, sizes), authors_code=args.authors_code,
+                   ours_cfg=ours_cfg, parity=parity, vs_authors=bm.vs_authors(by_model, parity), raw=raw)
     os.makedirs(args.out_dir, exist_ok=True)
     with open(osp.join(args.out_dir, 'benchmark.json'), 'w') as f:
         f.write(bm.dumps(summary))
     bm.plot(summary, osp.join(args.out_dir, 'benchmark.png'))
 
-    head = f'{"model":9s} {"size":>9s} {"tokens":>7s} {"latency ms":>11s} {"img/s":>8s} {"train MB":>9s}'
+    head = f'{"model":{width}s} {"size":>9s} {"tokens":>7s} {"latency ms":>11s} {"img/s":>8s} {"train MB":>9s}'
     print('\n' + head)
     for name, rows in by_model.items():
         for row in rows:
             def f(v, fmt):
-                return format(v, fmt) if v is not None else '-'
-            print(f'{name:9s} {row["size"][0]:>4d}x{row["size"][1]:<4d} {row["tokens"]:7d} '
+                return format(v, fmt) if v is not None else '-'.rjust(int(fmt.split('.')[0]))
+            print(f'{name:{width}s} {row["size"][0]:>4d}x{row["size"][1]:<4d} {row["tokens"]:7d} '
                   f'{f(row["latency_ms"], "11.1f")} {f(row["throughput"], "8.2f")} '
                   f'{f(row["train_peak_mem_mb"], "9.1f")}')
+    for name, cfg in ours_cfg.items():
+        print(f'({name} measured with {json.dumps(cfg)}, the configuration that reproduces the authors\' outputs)')
     print('\nscaling exponent of latency vs tokens:')
     for name, exps in summary['scaling_exponent'].items():
-        print(f'  {name:9s} ' + '  '.join(f'{k}: {v:.2f}' for k, v in exps.items()))
+        print(f'  {name:{width}s} ' + ('  '.join(f'{k}: {v:.2f}' for k, v in exps.items()) or '-'))
+    if compared:
+        print('\nvs the authors\' code (forward: their latency / ours; train memory: our peak / theirs):')
+        for name in compared:
+            r = parity.get(name, {})
+            if 'error' in r:
+                print(f'  {name} parity failed: {r["error"]}')
+            elif r:
+                print(f'  {name} parity at {r["size"][0]}x{r["size"][1]} (batch {r["batch"]}, eval, random weights'
+                      f'{", ours with " + json.dumps(r["ours_cfg"]) if r["ours_cfg"] else ""}): max |ours - authors| '
+                      f'per stage ' + ' '.join(f'{st["max_abs_diff"]:.1e}' for st in r['stages']))
+            for key, v in summary['vs_authors'].get(name, {}).items():
+                print('  ' + bm.format_vs_authors(name, key, v))
     print(f'\nwrote {args.out_dir}/benchmark.json and benchmark.png')
     return summary
 

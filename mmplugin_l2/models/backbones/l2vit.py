@@ -13,8 +13,9 @@ conv); inside a stage the blocks alternate, starting with a local one:
 
 The state dict has the authors' keys (`downsample_layers.{i}`, `stages.{i}.{j}`), so their classification
 release files load without renaming; `convert_state_dict` drops their `head` and maps / drops their
-final `norm`. Numerics are the authors' (their weights give their stage outputs, see docs/l2vit.md), with
-these documented differences:
+final `norm`. Numerics are the authors' (their weights give their stage outputs to float rounding, ~1e-6;
+convolutions run channels-last and the window attention through F.scaled_dot_product_attention, which
+sum in another order than their NCHW convs and explicit softmax), with these documented differences:
 
 * `window_size` is honoured (default 7; 12 for arch 'base-384'). The authors' dense-prediction backbone
   ignores the argument and always uses 7.
@@ -42,7 +43,7 @@ from mmengine.model.weight_init import trunc_normal_
 from mmengine.registry import MODELS
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..layers import (CPE, LCM, ConvStem2L, LinearAttention, Mlp, WindowAttention, map_to_tokens,
+from ..layers import (CPE, LCM, Conv2dCL, ConvStem2L, LinearAttention, Mlp, WindowAttention, map_to_tokens,
                       pad_to_multiple, tokens_to_map)
 from ..pyramid import PyramidBackbone, resolve_arch
 
@@ -58,16 +59,15 @@ def _init_authors(m):
 class ResidualCPE(nn.Module):
     """x + CPE(x) on tokens (B, N, C) of an (H, W) map (the authors' `CPE`, conv under key `proj`).
 
-    The conv runs on a contiguous NCHW map, as theirs (a channels-last view gives other conv kernels and
-    ~1e-7 rounding differences)."""
+    The conv runs channels-last on the token map (no NCHW copy; float rounding differs from the authors'
+    NCHW conv at the 1e-7 level) and the residual is added into its output."""
 
     def __init__(self, dim):
         super().__init__()
         self.proj = CPE(dim, 3)
 
     def forward(self, x, hw_shape):
-        feat = nn.Conv2d.forward(self.proj, tokens_to_map(x, hw_shape).contiguous())
-        return x + map_to_tokens(feat)
+        return self.proj(x, hw_shape).add_(x)
 
 
 class L2ViTStem(nn.Module):
@@ -91,10 +91,10 @@ class L2ViTDownsample(nn.Module):
     def __init__(self, in_channels, out_channels):
         super().__init__()
         self.norm = nn.LayerNorm(in_channels)
-        self.proj = nn.Conv2d(in_channels, out_channels, 2, stride=2)
+        self.proj = Conv2dCL(in_channels, out_channels, 2, stride=2)
 
     def forward(self, x, hw_shape):
-        x = pad_to_multiple(tokens_to_map(self.norm(x), hw_shape).contiguous(), 2)
+        x = pad_to_multiple(tokens_to_map(self.norm(x), hw_shape), 2)   # channels-last map
         x = self.proj(x)
         return map_to_tokens(x), tuple(x.shape[-2:])
 
@@ -114,10 +114,11 @@ class LWABlock(nn.Module):
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
 
     def forward(self, x, hw_shape):
+        # residuals are added into the branch outputs (proj / fc2 / DropPath keep no output for backward)
         x = self.cpe[0](x, hw_shape)
-        x = x + self.drop_path(self.attn(self.norm1(x), hw_shape))
+        x = self.drop_path(self.attn(self.norm1(x), hw_shape)).add_(x)
         x = self.cpe[1](x, hw_shape)
-        return x + self.drop_path(self.mlp(self.norm2(x)))
+        return self.drop_path(self.mlp(self.norm2(x))).add_(x)
 
 
 class LGABlock(nn.Module):
@@ -136,9 +137,9 @@ class LGABlock(nn.Module):
 
     def forward(self, x, hw_shape):
         x = self.cpe[0](x, hw_shape)
-        x = x + self.drop_path(self.attn(self.norm1(x)))
-        x = x + self.drop_path(self.local_mp(self.norm3(x), hw_shape))
-        return x + self.drop_path(self.mlp(self.norm2(x)))
+        x = self.drop_path(self.attn(self.norm1(x))).add_(x)
+        x = self.drop_path(self.local_mp(self.norm3(x), hw_shape)).add_(x)
+        return self.drop_path(self.mlp(self.norm2(x))).add_(x)
 
 
 @contextlib.contextmanager

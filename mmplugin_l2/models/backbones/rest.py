@@ -61,8 +61,9 @@ class ResTBlock(nn.Module):
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
 
     def forward(self, x, hw_shape):
-        x = x + self.drop_path(self.attn(self.norm1(x), hw_shape))
-        return x + self.drop_path(self.mlp(self.norm2(x)))
+        # residuals added into the branch outputs (proj / fc2 / DropPath keep no output for backward)
+        x = self.drop_path(self.attn(self.norm1(x), hw_shape)).add_(x)
+        return self.drop_path(self.mlp(self.norm2(x))).add_(x)
 
 
 class ResTStage(nn.Module):

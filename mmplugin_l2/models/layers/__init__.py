@@ -1,5 +1,5 @@
 """Building blocks named after the papers, shared by the backbone families."""
-from .conv import ConvLayer
+from .conv import Conv2dCL, ConvLayer
 from .cpe import CPE, map_to_tokens, tokens_conv, tokens_to_map
 from .mlp import ConvMlp, Mlp
 from .rope import apply_rope, rope_tables
@@ -9,7 +9,7 @@ from .linear_attention import LCM, LinearAttention  # noqa: E402  (L2ViT)
 from .window_attention import WindowAttention, window_partition, window_reverse  # noqa: E402  (L2ViT)
 from .ttt import TTTAttention, dwconv_inner_grad, normalize_inner_grad, swiglu_inner_grads
 
-__all__ = ['ConvLayer', 'CPE', 'map_to_tokens', 'tokens_conv', 'tokens_to_map', 'ConvMlp', 'Mlp', 'apply_rope',
+__all__ = ['Conv2dCL', 'ConvLayer', 'CPE', 'map_to_tokens', 'tokens_conv', 'tokens_to_map', 'ConvMlp', 'Mlp', 'apply_rope',
            'rope_tables', 'ConvDownsample', 'ConvStem', 'pad_to_multiple', 'TTTAttention',
            'dwconv_inner_grad', 'normalize_inner_grad', 'swiglu_inner_grads']
 __all__ += ['ConvStem2L', 'LCM', 'LinearAttention', 'WindowAttention', 'window_partition', 'window_reverse']

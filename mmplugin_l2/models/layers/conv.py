@@ -29,12 +29,15 @@ class ConvLayer(nn.Module):
         norm (bool): append a BatchNorm2d (default eps / momentum). Default: True.
         act (type | None): activation class taking `inplace`, e.g. nn.ReLU (run in place: neither the
             conv nor the BN keeps its output for backward). Default: nn.ReLU.
+        channels_last (bool): run the conv as `Conv2dCL` (faster on token maps; rounding differs from an
+            NCHW conv at the 1e-7 level). Default: True.
     """
 
     def __init__(self, in_channels, out_channels, kernel_size=3, stride=1, padding=0, groups=1,
-                 bias=True, norm=True, act=nn.ReLU):
+                 bias=True, norm=True, act=nn.ReLU, channels_last=True):
         super().__init__()
-        self.conv = Conv2dCL(in_channels, out_channels, kernel_size, stride=stride, padding=padding,
+        conv = Conv2dCL if channels_last else nn.Conv2d
+        self.conv = conv(in_channels, out_channels, kernel_size, stride=stride, padding=padding,
                               groups=groups, bias=bias)
         self.norm = nn.BatchNorm2d(out_channels) if norm else None
         self.act = act(inplace=True) if act is not None else None

@@ -52,17 +52,26 @@ def attention_probs(q, k, scale, weight=None, bias=None):
     return s.softmax(dim=-1)
 
 
+def _softmax(x):
+    """Softmax over the last dim; written into `x` when no autograd records (same kernel, same values)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return x.softmax(dim=-1)
+    return torch.softmax(x, dim=-1, out=x)
+
+
 def naive_emsa_attention(q, k, v, scale, transform_conv=None, eps=1e-5, attn_drop=None):
-    """The dense path: the whole (B, h, N, N') map at once, the authors' sequence of operations."""
-    attn = (q @ k.transpose(-2, -1)) * scale
+    """The dense path: the whole (B, h, N, N') map at once, the authors' sequence of operations. The
+    scaling (and without autograd, the softmax) run in place on their input map: bit-identical values,
+    two fewer map-sized allocations per block (the map is 280 MB in stage 1 at 800 x 1344)."""
+    attn = (q @ k.transpose(-2, -1)).mul_(scale)   # bmm keeps no output for backward
     if transform_conv is not None:
-        attn = transform_conv(attn).softmax(dim=-1)
+        attn = _softmax(transform_conv(attn))
         if attn.shape[-2] * attn.shape[-1] > 1:
             attn = F.instance_norm(attn, eps=eps)
         else:  # a 1 x 1 map (inputs of <= 32 px): torch refuses it, the normalised value is 0
             attn = attn - attn.detach()
     else:
-        attn = attn.softmax(dim=-1)
+        attn = _softmax(attn)
     if attn_drop is not None:
         attn = attn_drop(attn)
     return attn @ v

@@ -25,7 +25,9 @@ import contextlib
 import torch
 import torch.nn as nn
 
+from .conv import Conv2dCL
 from .cpe import map_to_tokens, tokens_to_map
+from .mlp import gelu
 
 
 def _autocast_off(device_type):
@@ -87,13 +89,12 @@ class LCM(nn.Module):
     def __init__(self, dim, kernel_size=7):
         super().__init__()
         pad = kernel_size // 2
-        self.conv1 = nn.Conv2d(dim, dim, kernel_size, padding=pad, groups=dim)
+        self.conv1 = Conv2dCL(dim, dim, kernel_size, padding=pad, groups=dim)
         self.act = nn.GELU()
         self.bn = nn.BatchNorm2d(dim)
-        self.conv2 = nn.Conv2d(dim, dim, kernel_size, padding=pad, groups=dim)
+        self.conv2 = Conv2dCL(dim, dim, kernel_size, padding=pad, groups=dim)
 
     def forward(self, x, hw_shape):
-        # contiguous NCHW (not the channels-last view of the tokens): the conv kernels, and with them the
-        # rounding, are then the authors'
-        x = tokens_to_map(x, hw_shape).contiguous()
-        return map_to_tokens(self.conv2(self.bn(self.act(self.conv1(x)))))
+        # channels-last on the token map throughout (Conv2dCL kernels, no NCHW copies)
+        x = gelu(self.conv1(tokens_to_map(x, hw_shape)))
+        return map_to_tokens(self.conv2(self.bn(x)))

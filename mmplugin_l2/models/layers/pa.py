@@ -16,4 +16,7 @@ class PA(nn.Module):
         self.pa_conv = nn.Conv2d(dim, dim, kernel_size=3, padding=1, groups=dim)
 
     def forward(self, x):
-        return x * torch.sigmoid(self.pa_conv(x))
+        gate = self.pa_conv(x)
+        if torch.is_grad_enabled():
+            return x * torch.sigmoid(gate)
+        return gate.sigmoid_().mul_(x)   # no autograd: in place, same values

@@ -20,8 +20,8 @@ class ResTStem(nn.Module):
     def __init__(self, in_channels, embed_dim):
         super().__init__()
         hidden = embed_dim // 2
-        self.conv1 = ConvLayer(in_channels, hidden, 3, stride=2, padding=1, bias=False)
-        self.conv2 = ConvLayer(hidden, hidden, 3, stride=1, padding=1, bias=False)
+        self.conv1 = ConvLayer(in_channels, hidden, 3, stride=2, padding=1, bias=False, channels_last=False)
+        self.conv2 = ConvLayer(hidden, hidden, 3, stride=1, padding=1, bias=False, channels_last=False)
         self.conv3 = nn.Conv2d(hidden, embed_dim, 3, stride=2, padding=1, bias=False)
         self.pos = PA(embed_dim)
 
