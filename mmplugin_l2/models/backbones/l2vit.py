@@ -43,7 +43,7 @@ from mmengine.model.weight_init import trunc_normal_
 from mmengine.registry import MODELS
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..layers import (CPE, LCM, Conv2dCL, ConvStem2L, LinearAttention, Mlp, WindowAttention, map_to_tokens,
+from ..layers import (CPE, LCM, ConvStem2L, LinearAttention, Mlp, WindowAttention, map_to_tokens,
                       pad_to_multiple, tokens_to_map)
 from ..pyramid import PyramidBackbone, resolve_arch
 
@@ -91,10 +91,12 @@ class L2ViTDownsample(nn.Module):
     def __init__(self, in_channels, out_channels):
         super().__init__()
         self.norm = nn.LayerNorm(in_channels)
-        self.proj = Conv2dCL(in_channels, out_channels, 2, stride=2)
+        self.proj = nn.Conv2d(in_channels, out_channels, 2, stride=2)
 
     def forward(self, x, hw_shape):
-        x = pad_to_multiple(tokens_to_map(self.norm(x), hw_shape), 2)   # channels-last map
+        # NCHW like the authors: a channels-last 2x2 conv here costs little time but moves the later
+        # stages' rounding most
+        x = pad_to_multiple(tokens_to_map(self.norm(x), hw_shape).contiguous(), 2)
         x = self.proj(x)
         return map_to_tokens(x), tuple(x.shape[-2:])
 
@@ -103,7 +105,7 @@ class LWABlock(nn.Module):
     """Local Window Attention block: two CPEs (before attention and before the MLP)."""
 
     def __init__(self, dim, num_heads, window_size=7, mlp_ratio=4., qkv_bias=True, drop_path=0.,
-                 mask_window_padding=False):
+                 mask_window_padding=False, recompute=True):
         super().__init__()
         self.cpe = nn.ModuleList([ResidualCPE(dim), ResidualCPE(dim)])
         self.norm1 = nn.LayerNorm(dim)
@@ -111,7 +113,7 @@ class LWABlock(nn.Module):
                                     mask_padding=mask_window_padding)
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio))
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), recompute=recompute)
 
     def forward(self, x, hw_shape):
         # residuals are added into the branch outputs (proj / fc2 / DropPath keep no output for backward)
@@ -124,14 +126,14 @@ class LWABlock(nn.Module):
 class LGABlock(nn.Module):
     """Linear Global Attention block: CPE, linear attention, LCM (its own residual branch), MLP."""
 
-    def __init__(self, dim, num_heads, mlp_ratio=4., qkv_bias=True, drop_path=0., lcm_kernel=7):
+    def __init__(self, dim, num_heads, mlp_ratio=4., qkv_bias=True, drop_path=0., lcm_kernel=7, recompute=True):
         super().__init__()
         self.cpe = nn.ModuleList([ResidualCPE(dim)])
         self.norm1 = nn.LayerNorm(dim)
         self.attn = LinearAttention(dim, num_heads, qkv_bias=qkv_bias)
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio))
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), recompute=recompute)
         self.norm3 = nn.LayerNorm(dim)
         self.local_mp = LCM(dim, lcm_kernel)
 
@@ -190,6 +192,9 @@ class L2ViT(PyramidBackbone):
         norm_eval (bool): keep the BatchNorms (stem, LCMs) in eval mode while training. Default: False
             (the authors fine-tune them in train mode).
         with_cp (bool): activation checkpointing per block. Default: False.
+        recompute (bool): in training, keep only each MLP's input for backward and recompute its hidden
+            activations there (same gradients, less memory per step, one more fc1 in backward).
+            Default: True.
         init_cfg (dict | None): dict(type='Pretrained', checkpoint=PATH) loads the authors' release files
             (`L2ViT-{Tiny,Small,Base}-checkpoint-best-ema.pth`, weights under `model`) or converted ones.
     """
@@ -206,7 +211,7 @@ class L2ViT(PyramidBackbone):
 
     def __init__(self, arch='tiny', in_channels=3, window_size=None, mask_window_padding=False,
                  mlp_ratio=4., qkv_bias=True, drop_path_rate=0.1, out_indices=(0, 1, 2, 3), final_norm=False,
-                 frozen_stages=-1, norm_eval=False, with_cp=False, init_cfg=None):
+                 frozen_stages=-1, norm_eval=False, with_cp=False, recompute=True, init_cfg=None):
         super().__init__(init_cfg=init_cfg)
         self.arch_settings = a = resolve_arch(arch, self.arch_zoo, ('embed_dims', 'depths', 'num_heads'),
                                               'L2ViT')
@@ -226,8 +231,8 @@ class L2ViT(PyramidBackbone):
         for i, (dim, depth, nh) in enumerate(zip(dims, depths, heads)):
             rates = dpr[sum(depths[:i]):sum(depths[:i + 1])]
             self.stages.append(nn.ModuleList([
-                LWABlock(dim, nh, self.window_size, mlp_ratio, qkv_bias, rates[j], mask_window_padding)
-                if j % 2 == 0 else LGABlock(dim, nh, mlp_ratio, qkv_bias, rates[j])
+                LWABlock(dim, nh, self.window_size, mlp_ratio, qkv_bias, rates[j], mask_window_padding, recompute)
+                if j % 2 == 0 else LGABlock(dim, nh, mlp_ratio, qkv_bias, rates[j], recompute=recompute)
                 for j in range(depth)]))
         self.apply(_init_authors)
         self._init_pyramid(in_channels, dims, out_indices, frozen_stages, norm_eval, with_cp,

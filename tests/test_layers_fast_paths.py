@@ -1,0 +1,60 @@
+"""The speed / memory paths of the shared layers compute the same function as the plain ones."""
+import pytest
+import torch
+import torch.nn as nn
+
+from mmplugin_l2.models.layers import Conv2dCL, ConvMlp, Mlp
+
+
+def _saved_bytes(fn):
+    total = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: total.append(t.numel() * t.element_size()) or t,
+                                                  lambda t: t):
+        out = fn()
+    return out, sum(total)
+
+
+@pytest.mark.parametrize('cls', [Mlp, ConvMlp])
+def test_mlp_recompute_same_gradients_less_saved(cls):
+    torch.manual_seed(0)
+    grads, saved = {}, {}
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        m = cls(8, 32, drop=0.1, recompute=recompute).double().train()
+        x = torch.randn(2, 6 * 5, 8, dtype=torch.float64, requires_grad=True)
+        torch.manual_seed(1)   # same dropout masks
+        y, saved[recompute] = _saved_bytes(lambda: m(x, (6, 5)))
+        (y * torch.arange(y.numel(), dtype=y.dtype).view_as(y).sin()).sum().backward()
+        grads[recompute] = [x.grad] + [p.grad for p in m.parameters()]
+    for a, b in zip(grads[False], grads[True]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    # kept for backward with recompute: the input only (8 channels), not the 32-wide hidden activations
+    assert saved[True] <= 2 * 30 * 8 * 8 + 64
+    assert saved[True] * 4 < saved[False]
+
+
+def test_mlp_token_chunks_equal_whole_map():
+    torch.manual_seed(0)
+    m = Mlp(8, 32).eval()
+    m.chunk_tokens = 16     # 100 tokens -> 7 chunks, the last one partial
+    x = torch.randn(2, 100, 8)
+    with torch.no_grad():
+        chunked = m(x)
+    whole = m.fc2(torch.nn.functional.gelu(m.fc1(x))).detach()
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize('groups,k,stride', [(16, 3, 1), (16, 7, 1), (1, 3, 2), (1, 1, 1)])
+def test_conv2d_channels_last_equals_conv2d(groups, k, stride):
+    torch.manual_seed(0)
+    ref = nn.Conv2d(16, 16, k, stride=stride, padding=k // 2, groups=groups)
+    cl = Conv2dCL(16, 16, k, stride=stride, padding=k // 2, groups=groups)
+    cl.load_state_dict(ref.state_dict())
+    assert list(cl.state_dict()) == ['weight', 'bias']
+    tokens = torch.randn(2, 9 * 11, 16, requires_grad=True)
+    x = tokens.transpose(1, 2).reshape(2, 16, 9, 11)      # the channels-last view our layers pass
+    a, b = cl(x), ref(x.contiguous())
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert a.is_contiguous(memory_format=torch.channels_last)
+    a.sum().backward()
+    assert cl.weight.grad.shape == cl.weight.shape
