@@ -58,3 +58,19 @@ def test_conv2d_channels_last_equals_conv2d(groups, k, stride):
     assert a.is_contiguous(memory_format=torch.channels_last)
     a.sum().backward()
     assert cl.weight.grad.shape == cl.weight.shape
+
+
+@pytest.mark.parametrize('hw', [(13, 7), (40, 3), (5, 50)])
+def test_conv_mlp_row_bands_equal_whole_map(hw):
+    """Inference in bands of rows with one halo row each side = the whole map (band edges, image edges,
+    a last partial band)."""
+    torch.manual_seed(0)
+    m = ConvMlp(8, 32).eval()
+    m.chunk_tokens = 20
+    x = torch.randn(2, hw[0] * hw[1], 8)
+    with torch.no_grad():
+        banded = m(x, hw)
+    assert banded.shape == x.shape
+    with torch.enable_grad():
+        whole = m(x, hw).detach()        # the grad-enabled path takes the whole map
+    torch.testing.assert_close(banded, whole, rtol=0, atol=1e-6)

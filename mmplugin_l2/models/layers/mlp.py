@@ -41,10 +41,33 @@ class ConvMlp(nn.Module):
     def forward(self, x, hw_shape):
         return _recomputed(self, x, hw_shape)
 
+    #: without autograd, maps with more tokens than 2x this run in bands of about this many tokens
+    chunk_tokens = 16384
+
     def _forward(self, x, hw_shape):
+        if not torch.is_grad_enabled() and x.shape[1] > 2 * self.chunk_tokens:
+            return self._forward_bands(x, hw_shape)
         x = self.drop(gelu(self.fc1(x)))
         x = gelu(tokens_conv(self.dwc, x, hw_shape).add_(x))   # conv(x) + x: the conv keeps no output
         return self.drop(self.fc2(x))
+
+    def _forward_bands(self, x, hw_shape):
+        """Inference on large maps, band of rows by band of rows, so that the (B, band, rC) hidden
+        activations stay in cache: fc1 and GELU also run on one halo row above and below each band (the
+        3x3 conv's neighbours), the conv output of the halo rows is dropped. Same values as the whole map."""
+        b, n, c = x.shape
+        h, w = hw_shape
+        rows = max(1, self.chunk_tokens // w)
+        xm = x.view(b, h, w, c)
+        out = x.new_empty(b, h, w, self.fc2.out_features)
+        for r0 in range(0, h, rows):
+            r1 = min(h, r0 + rows)
+            a0, a1 = max(0, r0 - 1), min(h, r1 + 1)
+            u = gelu(self.fc1(xm[:, a0:a1].reshape(b, (a1 - a0) * w, c)))
+            y = tokens_conv(self.dwc, u, (a1 - a0, w)).add_(u)
+            y = y.view(b, a1 - a0, w, -1)[:, r0 - a0:r1 - a0]
+            out[:, r0:r1] = self.fc2(gelu(y.reshape(b, (r1 - r0) * w, -1))).view(b, r1 - r0, w, -1)
+        return out.view(b, n, -1)
 
 
 def gelu(x):
