@@ -138,9 +138,14 @@ def main(argv=None):
         root = compared.get(n)
         if root:
             jobs.append((n, smallest, 'parity', root, None))
-        jobs += [(n, s, m, None, ours_cfg.get(n)) for s in sizes for m in modes]
-        if root:
-            jobs += [(n + bm.AUTHORS_TAG, s, m, root, None) for s in sizes for m in modes]
+    # size-major, ours next to the authors' and the other models: a ratio compares measurements taken
+    # minutes apart, not half an hour apart (shared machines drift)
+    for s in sizes:
+        for m in modes:
+            for n in args.models:
+                jobs.append((n, s, m, None, ours_cfg.get(n)))
+                if compared.get(n):
+                    jobs.append((n + bm.AUTHORS_TAG, s, m, compared[n], None))
     width = max([9] + [len(j[0]) for j in jobs])
     raw, parity = [], {}
     for i, (name, size, mode, root, cfg) in enumerate(jobs, 1):
