@@ -11,15 +11,14 @@ A `PyramidBackbone` has a stem `patch_embed` and a ModuleList `layers` of stages
 * `init_cfg=dict(type='Pretrained', checkpoint=...)`: the authors' checkpoints are converted by the
   subclass's `convert_state_dict` and loaded strictly, with a clear error on keys that do not fit.
 """
-import torch
 import torch.nn as nn
-import torch.utils.checkpoint as cp
 from mmcv.cnn import build_norm_layer
 from mmengine.logging import MMLogger, print_log
 from mmengine.model import BaseModule
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..checkpoint import load_pretrained
+from .layers.recompute import checkpointed
 
 
 def resolve_arch(arch, arch_zoo, required_keys, name):
@@ -84,9 +83,7 @@ class PyramidBackbone(BaseModule):
 
     def run_block(self, block, x, *args):
         """Run one block, through activation checkpointing when `with_cp` and gradients are needed."""
-        if self.with_cp and torch.is_grad_enabled() and x.requires_grad:
-            return cp.checkpoint(block, x, *args, use_reentrant=False)
-        return block(x, *args)
+        return checkpointed(block, x, *args, enabled=self.with_cp and x.requires_grad)
 
     def stage_output(self, i, x_map):
         """Apply output norm `norm{i}` to a stage map (B, C, H, W); LayerNorms act over channels."""

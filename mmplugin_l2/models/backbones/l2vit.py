@@ -37,7 +37,6 @@ from functools import partial
 
 import torch
 import torch.nn as nn
-import torch.utils.checkpoint as cp
 from mmcv.cnn.bricks import DropPath
 from mmengine.model.weight_init import trunc_normal_
 from mmengine.registry import MODELS
@@ -45,6 +44,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..layers import (CPE, LCM, ConvStem2L, LinearAttention, Mlp, WindowAttention, map_to_tokens,
                       pad_to_multiple, tokens_to_map)
+from ..layers.recompute import checkpointed
 from ..pyramid import PyramidBackbone, resolve_arch
 
 
@@ -107,9 +107,8 @@ def _branch(block, norm, module, x, *args):
     included, is recomputed there (BatchNorm statistics updated once)."""
     def fn(t, *a):
         return module(norm(t), *a)
-    if block.recompute and block.training and torch.is_grad_enabled():
-        return cp.checkpoint(fn, x, *args, use_reentrant=False, context_fn=partial(_checkpoint_contexts, module))
-    return fn(x, *args)
+    return checkpointed(fn, x, *args, enabled=block.recompute and block.training,
+                        context_fn=partial(_checkpoint_contexts, module))
 
 
 class LWABlock(nn.Module):
@@ -268,10 +267,8 @@ class L2ViT(PyramidBackbone):
     def run_block(self, block, x, *args):
         """As PyramidBackbone.run_block, but BatchNorm running statistics are updated only once per step
         under activation checkpointing (not again when the block is recomputed in the backward)."""
-        if self.with_cp and torch.is_grad_enabled() and x.requires_grad:
-            return cp.checkpoint(block, x, *args, use_reentrant=False,
-                                 context_fn=partial(_checkpoint_contexts, block))
-        return block(x, *args)
+        return checkpointed(block, x, *args, enabled=self.with_cp and x.requires_grad,
+                            context_fn=partial(_checkpoint_contexts, block))
 
     def forward(self, x):
         self.check_input(x)

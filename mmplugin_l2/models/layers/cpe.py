@@ -19,10 +19,15 @@ class CPE(Conv2dCL):
 def tokens_to_map(x, hw_shape):
     """(B, N, C) tokens -> (B, C, H, W) map."""
     b, n, c = x.shape
+    check_token_count(n, hw_shape)
+    return x.transpose(1, 2).reshape(b, c, *hw_shape)
+
+
+def check_token_count(n, hw_shape):
+    """Raise ValueError unless n tokens form an (H, W) map."""
     h, w = hw_shape
     if n != h * w:
         raise ValueError(f'{n} tokens do not form a {h}x{w} map')
-    return x.transpose(1, 2).reshape(b, c, h, w)
 
 
 def map_to_tokens(x):

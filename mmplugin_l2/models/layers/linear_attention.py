@@ -90,7 +90,6 @@ class LCM(nn.Module):
         super().__init__()
         pad = kernel_size // 2
         self.conv1 = Conv2dCL(dim, dim, kernel_size, padding=pad, groups=dim)
-        self.act = nn.GELU()
         self.bn = nn.BatchNorm2d(dim)
         self.conv2 = Conv2dCL(dim, dim, kernel_size, padding=pad, groups=dim)
 

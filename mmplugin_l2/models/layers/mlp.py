@@ -13,18 +13,17 @@ fc1 (+ conv) in backward. Same values and gradients.
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.checkpoint as cp
 
 
 from .conv import Conv2dCL
 from .cpe import tokens_conv
+from .recompute import checkpointed
 
 
 def _recomputed(module, x, *args):
     """module._forward(x, *args), recomputed in backward when a training step records autograd."""
-    if module.recompute and module.training and torch.is_grad_enabled() and x.requires_grad:
-        return cp.checkpoint(module._forward, x, *args, use_reentrant=False)
-    return module._forward(x, *args)
+    return checkpointed(module._forward, x, *args,
+                        enabled=module.recompute and module.training and x.requires_grad)
 
 
 class ConvMlp(nn.Module):
@@ -33,7 +32,6 @@ class ConvMlp(nn.Module):
         super().__init__()
         self.recompute = recompute
         self.fc1 = nn.Linear(dim, hidden_dim)
-        self.act = nn.GELU()
         self.dwc = Conv2dCL(hidden_dim, hidden_dim, 3, padding=1, groups=hidden_dim)
         self.fc2 = nn.Linear(hidden_dim, dim)
         self.drop = nn.Dropout(drop)
@@ -83,7 +81,6 @@ class Mlp(nn.Module):
         super().__init__()
         self.recompute = recompute
         self.fc1 = nn.Linear(dim, hidden_dim)
-        self.act = nn.GELU()
         self.fc2 = nn.Linear(hidden_dim, dim)
         self.drop = nn.Dropout(drop)
 

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from mmengine.model.weight_init import trunc_normal_
 
+from .cpe import check_token_count
 from .rope import apply_rope
 
 
@@ -186,9 +187,7 @@ class TTTAttention(nn.Module):
 
     def forward(self, x, hw_shape, rope=None):
         """x: (B, N, C); hw_shape: (H, W); rope: None or the complex table of `rope_tables`."""
-        b, n, c = x.shape
-        if n != hw_shape[0] * hw_shape[1]:
-            raise ValueError(f'{n} tokens do not form a {hw_shape[0]}x{hw_shape[1]} map')
+        check_token_count(x.shape[1], hw_shape)
         qkv = self.qkv(x)
         args = (qkv, rope, self.w1, self.w2, self.w3, tuple(hw_shape), self.num_heads, self.scale, self.lr)
         if not torch.is_grad_enabled():
