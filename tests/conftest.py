@@ -23,3 +23,15 @@ TINY_REST = dict(embed_dims=[16, 32, 48, 64], depths=[1, 1, 2, 1], num_heads=[1,
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def saved_for_backward(fn):
+    """Run fn() and return (its output, the list of tensors autograd saved for backward meanwhile)."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+def nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)

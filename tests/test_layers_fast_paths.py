@@ -3,15 +3,13 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conftest import nbytes, saved_for_backward
 from mmplugin_l2.models.layers import Conv2dCL, ConvMlp, Mlp
 
 
 def _saved_bytes(fn):
-    total = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: total.append(t.numel() * t.element_size()) or t,
-                                                  lambda t: t):
-        out = fn()
-    return out, sum(total)
+    out, saved = saved_for_backward(fn)
+    return out, nbytes(saved)
 
 
 @pytest.mark.parametrize('cls', [Mlp, ConvMlp])

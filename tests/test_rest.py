@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, TINY_REST
+from conftest import ROOT, TINY_REST, saved_for_backward
 from mmplugin_l2 import ResT
 from mmplugin_l2.models.layers import EMSA, ChunkedEMSAAttention, emsa_attention, naive_emsa_attention
 
@@ -189,14 +189,8 @@ def test_chunked_attention_gradcheck():
 
 
 def saved_numels(fn):
-    sizes = []
-
-    def pack(t):
-        sizes.append(t.numel())
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sizes
+    out, saved = saved_for_backward(fn)
+    return out, [t.numel() for t in saved]
 
 
 def test_chunked_attention_keeps_no_attention_map():
