@@ -4,7 +4,9 @@ import torch
 import torch.nn as nn
 
 from conftest import nbytes, saved_for_backward
-from mmplugin_l2.models.layers import Conv2dCL, ConvMlp, Mlp
+from mmplugin_l2.models.layers import Conv2dCL, ConvDownsample, ConvMlp, ConvStem, Mlp, TTTAttention, rope_tables
+from mmplugin_l2.models.layers.bands import can_run_in_bands
+from mmplugin_l2.models.layers.ttt import ttt_core
 
 
 def _saved_bytes(fn):
@@ -64,7 +66,7 @@ def test_conv_mlp_row_bands_equal_whole_map(hw):
     a last partial band)."""
     torch.manual_seed(0)
     m = ConvMlp(8, 32).eval()
-    m.chunk_tokens = 20
+    m.chunk_elems = 2 * 20 * 32     # bands of 20 tokens' hidden activations (at least one row)
     x = torch.randn(2, hw[0] * hw[1], 8)
     with torch.no_grad():
         banded = m(x, hw)
@@ -72,3 +74,64 @@ def test_conv_mlp_row_bands_equal_whole_map(hw):
     with torch.enable_grad():
         whole = m(x, hw).detach()        # the grad-enabled path takes the whole map
     torch.testing.assert_close(banded, whole, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize('with_rope', [True, False])
+@pytest.mark.parametrize('chunk_elems', [64 * 7, 64 * 30, 2 ** 20])
+def test_ttt_inference_chunks_equal_plain_path(with_rope, chunk_elems):
+    """The chunked inference TTT layer (qkv, inner models and proj chunk by chunk) = the plain path
+    (the one autograd runs), for chunks of 7 and 30 tokens (a partial last chunk) and one chunk."""
+    torch.manual_seed(0)
+    m = TTTAttention(64, 2).eval()
+    for p in m.parameters():
+        nn.init.normal_(p, std=0.2)
+    m.chunk_elems = chunk_elems
+    hw = (9, 11)
+    x = torch.randn(2, hw[0] * hw[1], 64)
+    rot = rope_tables(*hw, 64) if with_rope else None
+    with torch.no_grad():
+        chunked = m(x, hw, rot)
+        plain = m.proj(ttt_core(m.qkv(x), rot, m.w1, m.w2, m.w3, hw, m.num_heads, m.scale, m.lr))
+    assert plain.abs().max() > 1
+    torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=1e-5)
+    with torch.enable_grad():   # the training path gives the same output too
+        torch.testing.assert_close(m(x, hw, rot), chunked, rtol=1e-6, atol=1e-5)
+
+
+def _random_bn_stats(module):
+    for m in module.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.normal_()
+            m.running_var.uniform_(0.5, 2)
+            nn.init.normal_(m.weight)
+            nn.init.normal_(m.bias)
+    return module.eval()
+
+
+@pytest.mark.parametrize('cls,args,shape', [
+    (ConvStem, (3, 16), (1, 3, 64, 48)), (ConvStem, (3, 16), (2, 3, 37, 29)), (ConvStem, (3, 16), (1, 3, 5, 9)),
+    (ConvDownsample, (16, 32), (1, 16, 20, 30)), (ConvDownsample, (16, 32), (2, 16, 21, 17)),
+    (ConvDownsample, (16, 32), (1, 16, 1, 3))])
+@pytest.mark.parametrize('band_elems', [1, 700, 5000])
+def test_conv_chains_in_row_bands_equal_whole_map(cls, args, shape, band_elems):
+    """Stem and downsampling at inference, band by band of output rows (halo rows recomputed, zero rows
+    only at the image's own top/bottom, odd sizes, batch 2, a band of one row) = the whole-map chain."""
+    torch.manual_seed(0)
+    m = _random_bn_stats(cls(*args))
+    x = torch.randn(shape)
+    with torch.no_grad():
+        m.band_elems = 10 ** 12
+        whole = m(x)
+        m.band_elems = band_elems
+        banded = m(x)
+    assert banded.shape == whole.shape
+    torch.testing.assert_close(banded, whole, rtol=1e-6, atol=1e-5)
+
+
+def test_conv_chains_use_bands_only_when_safe():
+    """No bands while autograd records, nor while a BatchNorm would update its running statistics."""
+    stem = ConvStem(3, 16)
+    with torch.no_grad():
+        assert not can_run_in_bands(stem.conv.train())
+        assert can_run_in_bands(stem.conv.eval())
+    assert not can_run_in_bands(stem.conv)

@@ -39,11 +39,12 @@ class ConvMlp(nn.Module):
     def forward(self, x, hw_shape):
         return _recomputed(self, x, hw_shape)
 
-    #: without autograd, maps with more tokens than 2x this run in bands of about this many tokens
-    chunk_tokens = 16384
+    #: without autograd, maps whose hidden activation has more than 2x this many elements run in bands
+    #: of rows holding about this many
+    chunk_elems = 2 ** 21
 
     def _forward(self, x, hw_shape):
-        if not torch.is_grad_enabled() and x.shape[1] > 2 * self.chunk_tokens:
+        if not torch.is_grad_enabled() and x.shape[0] * x.shape[1] * self.fc1.out_features > 2 * self.chunk_elems:
             return self._forward_bands(x, hw_shape)
         x = self.drop(gelu(self.fc1(x)))
         x = gelu(tokens_conv(self.dwc, x, hw_shape).add_(x))   # conv(x) + x: the conv keeps no output
@@ -55,7 +56,7 @@ class ConvMlp(nn.Module):
         3x3 conv's neighbours), the conv output of the halo rows is dropped. Same values as the whole map."""
         b, n, c = x.shape
         h, w = hw_shape
-        rows = max(1, self.chunk_tokens // w)
+        rows = max(1, self.chunk_elems // (b * w * self.fc1.out_features))
         xm = x.view(b, h, w, c)
         out = x.new_empty(b, h, w, self.fc2.out_features)
         for r0 in range(0, h, rows):

@@ -6,7 +6,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .bands import can_run_in_bands, conv_chain_in_bands
 from .conv import ConvLayer
+
+
+def _conv_chain(layers, x, budget):
+    """The ConvLayers `layers` on x; at inference on maps whose output exceeds 4x `budget` elements,
+    band by band of rows (`conv_chain_in_bands`, same values, no map-sized intermediates)."""
+    if can_run_in_bands(layers) and x[:, :1].numel() * layers[-1].conv.out_channels > 4 * budget:
+        return conv_chain_in_bands(layers, x, budget)
+    return layers(x)
 
 
 def pad_to_multiple(x, multiple):
@@ -39,8 +48,12 @@ class ConvStem(nn.Module):
             ConvLayer(embed_dim * 4, embed_dim, 1, bias=False, act=None),
         )
 
+    #: at inference on large images the stem runs in bands of rows holding about this many elements
+    band_elems = 2 ** 20
+
     def forward(self, x):
-        return self.conv(pad_to_multiple(x, 4).contiguous(memory_format=torch.channels_last))
+        return _conv_chain(self.conv, pad_to_multiple(x, 4).contiguous(memory_format=torch.channels_last),
+                           self.band_elems)
 
 
 class ConvStem2L(nn.Module):
@@ -91,4 +104,7 @@ class ConvDownsample(nn.Module):
         h, w = x.shape[-2:]
         if h % 2 or w % 2:
             x = F.pad(x.permute(0, 2, 3, 1), (0, 0, 0, w % 2, 0, h % 2)).permute(0, 3, 1, 2)
-        return self.conv(x)
+        return _conv_chain(self.conv, x, self.band_elems)
+
+    #: at inference on large maps the downsampling runs in bands of rows holding about this many elements
+    band_elems = 2 ** 20

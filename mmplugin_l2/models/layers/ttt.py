@@ -124,6 +124,64 @@ def ttt_core(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, fused=False):
     return torch.cat([x1, x2.to(x1.dtype)], dim=-1)
 
 
+def ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, chunk_elems):
+    """The whole TTT layer without autograd, tokens (B, N, C) -> (B, N, C), in chunks of about
+    `chunk_elems` / C tokens, so that no (B, N, >= C) temporary is ever built except the output.
+
+    Pass 1, chunk by chunk: the k1 | v1 | q2 | k2 | v2 columns of `qkv` (one contiguous block of its
+    weight rows), RoPE on k1, and k1^T [a1 | a2] of the SwiGLU inner gradient, summed over the chunks;
+    the three d-wide conv-head maps are kept. Then the conv head (whole map, d channels). Pass 2, chunk by
+    chunk: the q1 columns, RoPE, the updated SwiGLU model, the conv-head output and `proj`. Every linear
+    weight row is applied once, as in `ttt_core`; the values equal it up to the summation order of
+    k^T a over the chunks (~1e-7 relative)."""
+    b, n, _ = x.shape
+    h, w = hw_shape
+    d = w1.shape[-1]
+    c = num_heads * d
+    step = max(1, chunk_elems // c)
+    wq, wrest = qkv.weight[:c], qkv.weight[c:]
+    bq, brest = (None, None) if qkv.bias is None else (qkv.bias[:c], qkv.bias[c:])
+
+    def heads(t):
+        return t.unflatten(-1, (num_heads, d)).transpose(1, 2)
+
+    def rope(t, i):
+        return apply_rope(t, rot[i:i + step]) if rot is not None else t
+
+    w12 = torch.cat([w1, w2], dim=-1)
+    conv_head = None
+    g = None
+    for i in range(0, n, step):
+        kv = F.linear(x[:, i:i + step], wrest, brest)
+        if conv_head is None:
+            conv_head = kv.new_empty(b, n, 3 * d)
+        conv_head[:, i:i + step] = kv[..., 2 * c:]
+        k1, v1 = heads(rope(kv[..., :c], i)), heads(kv[..., c:2 * c])
+        z = k1 @ w12
+        z1, z2 = z[..., :d], z[..., d:]
+        a = torch.cat([v1 * F.silu(z2), torch.ops.aten.silu_backward(v1 * z1, z2)], dim=-1)
+        part = k1.transpose(-2, -1) @ a
+        g = part if g is None else g.add_(part)
+    w12 = w12 - lr * normalize_inner_grad(g * (-scale / float(n)), -2)
+
+    q2, k2, v2 = conv_head.unflatten(1, (h, w)).split([d, d, d], dim=-1)
+    w3 = w3.repeat(b, 1, 1, 1) - lr * dwconv_inner_grad(k2, v2, scale)
+    x2 = dwconv_per_sample(q2, w3)
+    del conv_head, q2, k2, v2
+
+    out = None
+    for i in range(0, n, step):
+        z = heads(rope(F.linear(x[:, i:i + step], wq, bq), i)) @ w12
+        y = z.new_empty(b, z.shape[2], c + d)
+        torch.mul(z[..., :d], F.silu(z[..., d:]), out=heads(y[..., :c]))
+        y[..., c:] = x2[:, i:i + step]
+        y = proj(y)
+        if out is None:
+            out = y.new_empty(b, n, y.shape[-1])
+        out[:, i:i + step] = y
+    return out
+
+
 class TTTCore(torch.autograd.Function):
     """`ttt_core` that saves only its inputs and recomputes the inner models in backward."""
 
@@ -185,14 +243,18 @@ class TTTAttention(nn.Module):
             trunc_normal_(w, std=.02)
         self.proj = nn.Linear(dim + d, dim)
 
+    #: without autograd, the inner models run in chunks of about this many (token x channel) elements
+    chunk_elems = 2 ** 20
+
     def forward(self, x, hw_shape, rope=None):
         """x: (B, N, C); hw_shape: (H, W); rope: None or the complex table of `rope_tables`."""
         check_token_count(x.shape[1], hw_shape)
+        if not torch.is_grad_enabled():
+            return ttt_inference(x, self.qkv, self.proj, rope, self.w1, self.w2, self.w3, tuple(hw_shape),
+                                 self.num_heads, self.scale, self.lr, self.chunk_elems)
         qkv = self.qkv(x)
         args = (qkv, rope, self.w1, self.w2, self.w3, tuple(hw_shape), self.num_heads, self.scale, self.lr)
-        if not torch.is_grad_enabled():
-            y = ttt_core(*args, fused=True)
-        elif self.recompute:
+        if self.recompute:
             y = TTTCore.apply(*args)
         else:
             y = ttt_core(*args)

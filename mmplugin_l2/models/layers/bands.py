@@ -1,0 +1,79 @@
+"""Inference of a chain of `ConvLayer`s band by band of output rows.
+
+A stem or a convolutional downsampling on a large image builds several map-sized intermediates (at
+1248 x 1248 the H-ViT3 stem makes five maps of 50-100 MB each). Without autograd nothing needs them
+at once: `conv_chain_in_bands` computes the final output a band of rows at a time. For each band the
+rows every layer needs (its receptive field, the halo) are worked out backwards from the band; each
+layer then convolves exactly those rows, with zero rows added only where its input really ends (the
+vertical zero padding of that layer), so the result is the same as the whole-map chain. The band
+intermediates are a few MB and stay in cache.
+
+Input and output are (B, C, H, W) tensors; the output is channels-last.
+"""
+import torch
+import torch.nn.functional as F
+
+from .conv import Conv2dCL
+
+
+def _geometry(conv):
+    return conv.kernel_size[0], conv.stride[0], conv.padding[0]
+
+
+def can_run_in_bands(layers):
+    """True when no autograd is recorded and no BatchNorm of the chain would update its statistics."""
+    return not torch.is_grad_enabled() and all(
+        layer.norm is None or not layer.norm.training for layer in layers)
+
+
+def _layer_rows(layer, x, top, bottom):
+    """One ConvLayer on a band of input rows, `top` / `bottom` zero rows added first (channels-last pad)."""
+    conv = layer.conv
+    if top or bottom:
+        x = F.pad(x.permute(0, 2, 3, 1), (0, 0, 0, 0, top, bottom)).permute(0, 3, 1, 2)
+    weight = conv.weight.to(memory_format=torch.channels_last) if isinstance(conv, Conv2dCL) else conv.weight
+    x = F.conv2d(x, weight, conv.bias, conv.stride, (0, conv.padding[1]), conv.dilation, conv.groups)
+    if layer.norm is not None:
+        x = layer.norm(x)
+    if layer.act is not None:
+        x = layer.act(x)
+    return x
+
+
+def conv_chain_in_bands(layers, x, budget=2 ** 20):
+    """`layers` (a sequence of ConvLayer) applied to x (B, C, H, W), band by band of output rows.
+
+    Each band holds about `budget` elements of the widest intermediate. Same values as running the
+    layers on the whole map (for a BatchNorm in eval mode)."""
+    layers = list(layers)
+    heights, widths = [x.shape[-2]], [x.shape[-1]]
+    for layer in layers:
+        k, s, p = _geometry(layer.conv)
+        heights.append((heights[-1] + 2 * p - k) // s + 1)
+        kw, sw, pw = layer.conv.kernel_size[1], layer.conv.stride[1], layer.conv.padding[1]
+        widths.append((widths[-1] + 2 * pw - kw) // sw + 1)
+    # elements of each layer's output per output row of the chain
+    per_row, rows = 0, 1
+    for i in range(len(layers) - 1, -1, -1):
+        per_row = max(per_row, rows * widths[i + 1] * layers[i].conv.out_channels)
+        rows *= layers[i].conv.stride[0]
+    band = max(1, budget // (per_row * x.shape[0]))
+    out = None
+    for o0 in range(0, heights[-1], band):
+        o1 = min(heights[-1], o0 + band)
+        plan = []          # per layer, from the last: (first input row, end input row, top, bottom)
+        r0, r1 = o0, o1
+        for i in range(len(layers) - 1, -1, -1):
+            k, s, p = _geometry(layers[i].conv)
+            a0, a1 = r0 * s - p, (r1 - 1) * s - p + k
+            plan.append((max(a0, 0), min(a1, heights[i]), max(-a0, 0), max(a1 - heights[i], 0)))
+            r0, r1 = plan[-1][:2]
+        plan.reverse()
+        t = x[:, :, plan[0][0]:plan[0][1]]
+        for layer, (_, _, top, bottom) in zip(layers, plan):
+            t = _layer_rows(layer, t, top, bottom)
+        if out is None:
+            out = t.new_empty(t.shape[:2] + (heights[-1], widths[-1])).contiguous(
+                memory_format=torch.channels_last)
+        out[:, :, o0:o1] = t
+    return out
