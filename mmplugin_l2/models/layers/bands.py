@@ -73,7 +73,7 @@ def conv_chain_in_bands(layers, x, budget=2 ** 20):
         for layer, (_, _, top, bottom) in zip(layers, plan):
             t = _layer_rows(layer, t, top, bottom)
         if out is None:
-            out = t.new_empty(t.shape[:2] + (heights[-1], widths[-1])).contiguous(
-                memory_format=torch.channels_last)
+            out = torch.empty(t.shape[:2] + (heights[-1], widths[-1]), dtype=t.dtype, device=t.device,
+                              memory_format=torch.channels_last)
         out[:, :, o0:o1] = t
     return out

@@ -21,11 +21,11 @@ def rope_tables(h, w, c, device=None, base=10000):
     # Built outside inference mode so the table can also serve a later training forward.
     with torch.inference_mode(False), torch.no_grad():
         theta = 1 / (base ** (torch.arange(k_max, device=device) / k_max))
-        ys, xs = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device),
-                                indexing='ij')
-        angles = torch.cat([ys.unsqueeze(-1) * theta, xs.unsqueeze(-1) * theta], dim=-1)
-        angles = angles.reshape(h * w, c // 2)
-        return torch.complex(torch.cos(angles), torch.sin(angles))
+        # cos / sin of the h row angles and the w column angles only, then broadcast over the grid
+        rows, cols = (torch.arange(n, device=device).unsqueeze(-1) * theta for n in (h, w))
+        rows, cols = (torch.complex(torch.cos(a), torch.sin(a)) for a in (rows, cols))
+        return torch.cat([rows.unsqueeze(1).expand(h, w, k_max), cols.unsqueeze(0).expand(h, w, k_max)],
+                         dim=-1).reshape(h * w, c // 2)
 
 
 def apply_rope(x, rot):
