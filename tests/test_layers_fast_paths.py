@@ -4,7 +4,8 @@ import torch
 import torch.nn as nn
 
 from conftest import nbytes, saved_for_backward
-from mmplugin_l2.models.layers import Conv2dCL, ConvDownsample, ConvMlp, ConvStem, Mlp, TTTAttention, rope_tables
+from mmplugin_l2.models.layers import (Conv2dCL, ConvDownsample, ConvMlp, ConvStem, ConvStem2L, LinearAttention, Mlp,
+                                      TTTAttention, WindowAttention, rope_tables)
 from mmplugin_l2.models.layers.bands import can_run_in_bands
 from mmplugin_l2.models.layers.ttt import ttt_core
 
@@ -111,7 +112,8 @@ def _random_bn_stats(module):
 @pytest.mark.parametrize('cls,args,shape', [
     (ConvStem, (3, 16), (1, 3, 64, 48)), (ConvStem, (3, 16), (2, 3, 37, 29)), (ConvStem, (3, 16), (1, 3, 5, 9)),
     (ConvDownsample, (16, 32), (1, 16, 20, 30)), (ConvDownsample, (16, 32), (2, 16, 21, 17)),
-    (ConvDownsample, (16, 32), (1, 16, 1, 3))])
+    (ConvDownsample, (16, 32), (1, 16, 1, 3)), (ConvStem2L, (3, 16), (1, 3, 64, 48)),
+    (ConvStem2L, (3, 16), (2, 3, 37, 29))])
 @pytest.mark.parametrize('band_elems', [1, 700, 5000])
 def test_conv_chains_in_row_bands_equal_whole_map(cls, args, shape, band_elems):
     """Stem and downsampling at inference, band by band of output rows (halo rows recomputed, zero rows
@@ -135,3 +137,36 @@ def test_conv_chains_use_bands_only_when_safe():
         assert not can_run_in_bands(stem.conv.train())
         assert can_run_in_bands(stem.conv.eval())
     assert not can_run_in_bands(stem.conv)
+
+
+@pytest.mark.parametrize('chunk_elems', [32 * 7, 32 * 64])
+def test_linear_attention_chunks_equal_whole_map(chunk_elems):
+    """L2ViT's linear attention at inference in two chunked passes (K^T V and sum K accumulated over
+    chunks of 7 or 64 tokens, a partial last chunk) = the whole-map computation."""
+    torch.manual_seed(0)
+    m = LinearAttention(32, 2).eval()
+    for p in m.parameters():
+        nn.init.normal_(p, std=0.3)
+    x = torch.randn(2, 300, 32)
+    with torch.no_grad():
+        m.chunk_elems = 10 ** 12
+        whole = m(x)
+        m.chunk_elems = chunk_elems // 2      # per sample of the batch of 2
+        chunked = m(x)
+    assert whole.abs().max() > 1
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize('mask_padding', [False, True])
+@pytest.mark.parametrize('hw', [(20, 33), (28, 14), (5, 9)])
+def test_window_attention_bands_equal_whole_map(mask_padding, hw):
+    """Window attention at inference, a band of window rows at a time (padding, masks) = whole map."""
+    torch.manual_seed(0)
+    m = WindowAttention(32, 2, 7, mask_padding=mask_padding).eval()
+    x = torch.randn(2, hw[0] * hw[1], 32)
+    with torch.no_grad():
+        m.chunk_elems = 10 ** 12
+        whole = m(x, hw)
+        m.chunk_elems = 1          # one window row per band
+        banded = m(x, hw)
+    torch.testing.assert_close(banded, whole, rtol=0, atol=1e-6)

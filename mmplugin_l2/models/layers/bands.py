@@ -8,12 +8,28 @@ layer then convolves exactly those rows, with zero rows added only where its inp
 vertical zero padding of that layer), so the result is the same as the whole-map chain. The band
 intermediates are a few MB and stay in cache.
 
-Input and output are (B, C, H, W) tensors; the output is channels-last.
+A layer is anything with `conv` (an nn.Conv2d), `norm` and `act` (modules or None), e.g. a `ConvLayer`
+or a `ConvBNAct` view of plain Sequential entries. Input and output are (B, C, H, W) tensors; channels-last
+input gives channels-last output and bands, NCHW gives NCHW.
 """
+from typing import NamedTuple, Optional
+
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from .conv import Conv2dCL
+
+
+class ConvBNAct(NamedTuple):
+    """A conv -> norm -> activation triple of existing modules (no parameters of its own)."""
+    conv: nn.Conv2d
+    norm: Optional[nn.Module] = None
+    act: Optional[nn.Module] = None
+
+
+def _channels_last(x):
+    return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
 
 
 def _geometry(conv):
@@ -29,8 +45,10 @@ def can_run_in_bands(layers):
 def _layer_rows(layer, x, top, bottom):
     """One ConvLayer on a band of input rows, `top` / `bottom` zero rows added first (channels-last pad)."""
     conv = layer.conv
-    if top or bottom:
+    if (top or bottom) and _channels_last(x):
         x = F.pad(x.permute(0, 2, 3, 1), (0, 0, 0, 0, top, bottom)).permute(0, 3, 1, 2)
+    elif top or bottom:
+        x = F.pad(x, (0, 0, top, bottom))
     weight = conv.weight.to(memory_format=torch.channels_last) if isinstance(conv, Conv2dCL) else conv.weight
     x = F.conv2d(x, weight, conv.bias, conv.stride, (0, conv.padding[1]), conv.dilation, conv.groups)
     if layer.norm is not None:
@@ -74,6 +92,6 @@ def conv_chain_in_bands(layers, x, budget=2 ** 20):
             t = _layer_rows(layer, t, top, bottom)
         if out is None:
             out = torch.empty(t.shape[:2] + (heights[-1], widths[-1]), dtype=t.dtype, device=t.device,
-                              memory_format=torch.channels_last)
+                              memory_format=torch.channels_last if _channels_last(t) else torch.contiguous_format)
         out[:, :, o0:o1] = t
     return out

@@ -67,8 +67,13 @@ class LinearAttention(nn.Module):
         kv = (k.transpose(-2, -1) @ v) * self.temperature
         return (q @ kv) / denom
 
+    #: without autograd, maps of more than 2x this many (token x channel) elements run in chunks of it
+    chunk_elems = 2 ** 20
+
     def forward(self, x):
         b, n, c = x.shape
+        if not torch.is_grad_enabled() and b * n * c > 2 * self.chunk_elems:
+            return self._forward_chunks(x)
         qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, c // self.num_heads).permute(2, 0, 3, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]
         if self.fp32_reduce and qkv.dtype != torch.float64:
@@ -77,6 +82,41 @@ class LinearAttention(nn.Module):
         else:
             out = self.linear_attention(q, k, v)
         return self.proj(out.transpose(1, 2).reshape(b, n, c))
+
+
+    def _forward_chunks(self, x):
+        """Inference in token chunks, two passes: the k | v columns of qkv, sum_j K_j and K^T V summed over
+        the chunks; then per chunk the q columns, the normalised output and proj. Only the output is
+        map-sized. Same values as `forward` up to the summation order of the two sums (~1e-7 relative)."""
+        b, n, c = x.shape
+        nh, d = self.num_heads, c // self.num_heads
+        step = max(1, self.chunk_elems // (b * c))
+        w, bias = self.qkv.weight, self.qkv.bias
+        fp32 = self.fp32_reduce and x.dtype != torch.float64
+
+        def heads(t):
+            t = t.unflatten(-1, (nh, d)).transpose(1, 2)
+            return t.float() if fp32 else t
+
+        ksum = kv = None
+        for i in range(0, n, step):
+            t = nn.functional.linear(x[:, i:i + step], w[c:], None if bias is None else bias[c:])
+            with _autocast_off(x.device.type) if fp32 else contextlib.nullcontext():
+                k, v = heads(t[..., :c]).relu(), heads(t[..., c:])
+                ks, part = k.transpose(-2, -1).sum(dim=-1, keepdim=True), k.transpose(-2, -1) @ v
+                ksum, kv = (ks, part) if kv is None else (ksum.add_(ks), kv.add_(part))
+        out = None
+        for i in range(0, n, step):
+            t = nn.functional.linear(x[:, i:i + step], w[:c], None if bias is None else bias[:c])
+            with _autocast_off(x.device.type) if fp32 else contextlib.nullcontext():
+                q = heads(t).relu()
+                denom = torch.clamp(q @ ksum, min=self.clamp_min)
+                y = ((q @ (kv * self.temperature)) / denom).to(t.dtype)
+            y = self.proj(y.transpose(1, 2).reshape(b, -1, c))
+            if out is None:
+                out = y.new_empty(b, n, c)
+            out[:, i:i + step] = y
+        return out
 
 
 class LCM(nn.Module):

@@ -6,16 +6,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .bands import can_run_in_bands, conv_chain_in_bands
+from .bands import ConvBNAct, can_run_in_bands, conv_chain_in_bands
 from .conv import ConvLayer
 
 
-def _conv_chain(layers, x, budget):
-    """The ConvLayers `layers` on x; at inference on maps whose output exceeds 4x `budget` elements,
-    band by band of rows (`conv_chain_in_bands`, same values, no map-sized intermediates)."""
+def _conv_chain(layers, x, budget, whole=None):
+    """The conv layers `layers` (ConvLayer / ConvBNAct) on x; at inference on maps whose output exceeds
+    4x `budget` elements, band by band of rows (`conv_chain_in_bands`, same values, no map-sized
+    intermediates); otherwise `whole` (default: `layers`, a Sequential) on the whole map."""
     if can_run_in_bands(layers) and x[:, :1].numel() * layers[-1].conv.out_channels > 4 * budget:
         return conv_chain_in_bands(layers, x, budget)
-    return layers(x)
+    return (layers if whole is None else whole)(x)
 
 
 def pad_to_multiple(x, multiple):
@@ -75,8 +76,13 @@ class ConvStem2L(nn.Module):
             nn.BatchNorm2d(embed_dim),
         )
 
+    #: at inference on large images the stem runs in bands of rows holding about this many elements
+    band_elems = 2 ** 20
+
     def forward(self, x):
-        return self.proj(pad_to_multiple(x, 4))
+        p = self.proj
+        return _conv_chain([ConvBNAct(p[0], p[1], p[2]), ConvBNAct(p[3], p[4])], pad_to_multiple(x, 4),
+                           self.band_elems, whole=p)
 
 
 class ConvDownsample(nn.Module):

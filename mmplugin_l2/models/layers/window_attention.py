@@ -86,6 +86,26 @@ class WindowAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=self.scale)
         return self.proj(out.transpose(1, 2).reshape(bw, n, c))
 
+    #: without autograd, maps of more than 2x this many elements run in bands of window rows of about it
+    chunk_elems = 2 ** 20
+
+    def _windows_in_bands(self, x, key_mask):
+        """Inference on the padded map x (B, Hp, Wp, C), a band of window rows at a time (the windows are
+        independent, so the values are those of the whole map); returns (B, Hp, Wp, C)."""
+        b, hp, wp, c = x.shape
+        ws = self.window_size
+        rows = max(1, self.chunk_elems // (b * ws * wp * c)) * ws
+        out = torch.empty_like(x)
+        per_row = wp // ws        # windows per window row (per sample)
+        for r0 in range(0, hp, rows):
+            r1 = min(hp, r0 + rows)
+            mask = None
+            if key_mask is not None:
+                mask = key_mask.view(b, hp // ws, per_row, -1)[:, r0 // ws:r1 // ws].reshape(-1, ws * ws)
+            y = self.attention(window_partition(x[:, r0:r1], ws), mask)
+            out[:, r0:r1] = window_reverse(y, ws, r1 - r0, wp)
+        return out
+
     def forward(self, x, hw_shape):
         b, n, c = x.shape
         h, w = hw_shape
@@ -95,11 +115,13 @@ class WindowAttention(nn.Module):
         if pad_b or pad_r:
             x = F.pad(x, (0, 0, 0, pad_r, 0, pad_b))
         hp, wp = h + pad_b, w + pad_r
-        windows = window_partition(x, ws)
         key_mask = None
         if self.mask_padding and (pad_b or pad_r):
             key_mask = padding_key_mask((h, w), (hp, wp), ws, x.device).repeat(b, 1)
-        x = window_reverse(self.attention(windows, key_mask), ws, hp, wp)
+        if not torch.is_grad_enabled() and x.numel() > 2 * self.chunk_elems:
+            x = self._windows_in_bands(x, key_mask)
+        else:
+            x = window_reverse(self.attention(window_partition(x, ws), key_mask), ws, hp, wp)
         if pad_b or pad_r:
             x = x[:, :h, :w, :]
         return x.reshape(b, h * w, c)
