@@ -83,7 +83,6 @@ class LinearAttention(nn.Module):
             out = self.linear_attention(q, k, v)
         return self.proj(out.transpose(1, 2).reshape(b, n, c))
 
-
     def _forward_chunks(self, x):
         """Inference in token chunks, two passes: the k | v columns of qkv, sum_j K_j and K^T V summed over
         the chunks; then per chunk the q columns, the normalised output and proj. Only the output is

@@ -14,7 +14,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
 from .conv import Conv2dCL
 from .cpe import tokens_conv
 from .recompute import checkpointed
@@ -44,7 +43,8 @@ class ConvMlp(nn.Module):
     chunk_elems = 2 ** 21
 
     def _forward(self, x, hw_shape):
-        if not torch.is_grad_enabled() and x.shape[0] * x.shape[1] * self.fc1.out_features > 2 * self.chunk_elems:
+        hidden_elems = x.shape[0] * x.shape[1] * self.fc1.out_features
+        if not torch.is_grad_enabled() and hidden_elems > 2 * self.chunk_elems:
             return self._forward_bands(x, hw_shape)
         x = self.drop(gelu(self.fc1(x)))
         x = gelu(tokens_conv(self.dwc, x, hw_shape).add_(x))   # conv(x) + x: the conv keeps no output

@@ -11,9 +11,10 @@ from .conv import ConvLayer
 
 
 def _conv_chain(layers, x, budget, whole=None):
-    """The conv layers `layers` (ConvLayer / ConvBNAct) on x; at inference on maps whose output exceeds
-    4x `budget` elements, band by band of rows (`conv_chain_in_bands`, same values, no map-sized
-    intermediates); otherwise `whole` (default: `layers`, a Sequential) on the whole map."""
+    """The conv layers `layers` (ConvLayer / ConvBNAct) on x; at inference when the input's pixels times
+    the last layer's channels exceed 4x `budget`, band by band of rows (`conv_chain_in_bands`, same
+    values, no map-sized intermediates); otherwise `whole` (default: `layers`, a Sequential) on the whole
+    map."""
     if can_run_in_bands(layers) and x[:, :1].numel() * layers[-1].conv.out_channels > 4 * budget:
         return conv_chain_in_bands(layers, x, budget)
     return (layers if whole is None else whole)(x)

@@ -33,20 +33,47 @@ def normalize_inner_grad(g, dim):
     return g / (g.norm(dim=dim, keepdim=True) + 1.0)
 
 
-def _swiglu_grad_pair(k, v, w12, scale, fused):
-    """Normalised [g1 | g2] (B, H, d, 2d) of L = -(scale/N) sum((k W1) * SiLU(k W2) * v), w12 = [W1 | W2]."""
-    d = w12.shape[-1] // 2
-    z = k @ w12
+def _swiglu_dz(z, v, fused):
+    """[dL/dz1 | dL/dz2] up to the factor -scale/N, for z = k [W1 | W2] (..., 2d) and values v (..., d).
+    `fused=True` (no autograd needed) computes v * z1 * SiLU'(z2) in one kernel."""
+    d = v.shape[-1]
     z1, z2 = z[..., :d], z[..., d:]
-    if fused:   # no autograd needed: v * z1 * SiLU'(z2) in one kernel
+    if fused:
         a2 = torch.ops.aten.silu_backward(v * z1, z2)
     else:
         sig = torch.sigmoid(z2)
         a2 = v * z1 * (sig * (1.0 + z2 * (1.0 - sig)))   # SiLU'(z2) = s (1 + z2 (1 - s))
-    a = torch.cat([v * F.silu(z2), a2], dim=-1)        # dL/dz1, dL/dz2 up to -scale/N
-    g = (k.transpose(-2, -1) @ a) * (-scale / float(k.shape[-2]))
-    # the norm over dim -2 is per column, so [g1 | g2] is normalised in one go
-    return normalize_inner_grad(g, -2)
+    return torch.cat([v * F.silu(z2), a2], dim=-1)
+
+
+def _normalized_swiglu_grad(kta, n, scale):
+    """k^T [a1 | a2] summed over n tokens -> normalised [g1 | g2]; the norm over dim -2 is per column, so
+    both halves are normalised in one go."""
+    return normalize_inner_grad(kta * (-scale / float(n)), -2)
+
+
+def _swiglu_grad_pair(k, v, w12, scale, fused):
+    """Normalised [g1 | g2] (B, H, d, 2d) of L = -(scale/N) sum((k W1) * SiLU(k W2) * v), w12 = [W1 | W2]."""
+    a = _swiglu_dz(k @ w12, v, fused)
+    return _normalized_swiglu_grad(k.transpose(-2, -1) @ a, k.shape[-2], scale)
+
+
+def _heads(t, num_heads):
+    """(B, N, H*d) tokens -> (B, H, N, d) per-head view."""
+    return t.unflatten(-1, (num_heads, -1)).transpose(1, 2)
+
+
+def _swiglu_readout(z, out=None):
+    """The updated SwiGLU model's output (z W1') * SiLU(z W2') from z = q [W1' | W2'] (..., 2d)."""
+    d = z.shape[-1] // 2
+    return torch.mul(z[..., :d], F.silu(z[..., d:]), out=out)
+
+
+def _conv_head(q2, k2, v2, w3, scale, lr):
+    """The depth-wise 3x3 inner model: one gradient step on (k2, v2), applied to q2; maps (B, H, W, d)
+    channels-last -> tokens (B, H*W, d)."""
+    w3 = w3.repeat(q2.shape[0], 1, 1, 1) - lr * dwconv_inner_grad(k2, v2, scale)
+    return dwconv_per_sample(q2, w3)
 
 
 def swiglu_inner_grads(k, v, w1, w2, scale):
@@ -107,20 +134,11 @@ def ttt_core(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, fused=False):
     if rot is not None:
         q1, k1 = apply_rope(q1, rot), apply_rope(k1, rot)
 
-    def heads(t):
-        return t.unflatten(-1, (num_heads, d)).transpose(1, 2)
-
-    q1, k1, v1 = heads(q1), heads(k1), heads(v1)
+    q1, k1, v1 = (_heads(t, num_heads) for t in (q1, k1, v1))
     w12 = torch.cat([w1, w2], dim=-1)
     w12 = w12 - lr * _swiglu_grad_pair(k1, v1, w12, scale, fused)
-    z = q1 @ w12
-    x1 = (z[..., :d] * F.silu(z[..., d:])).transpose(1, 2).reshape(b, n, c)
-
-    def spatial(t):
-        return t.unflatten(1, (h, w))
-
-    w3 = w3.repeat(b, 1, 1, 1) - lr * dwconv_inner_grad(spatial(k2), spatial(v2), scale)
-    x2 = dwconv_per_sample(spatial(q2), w3)
+    x1 = _swiglu_readout(q1 @ w12).transpose(1, 2).reshape(b, n, c)
+    x2 = _conv_head(*(t.unflatten(1, (h, w)) for t in (q2, k2, v2)), w3, scale, lr)
     return torch.cat([x1, x2.to(x1.dtype)], dim=-1)
 
 
@@ -142,9 +160,6 @@ def ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr,
     wq, wrest = qkv.weight[:c], qkv.weight[c:]
     bq, brest = (None, None) if qkv.bias is None else (qkv.bias[:c], qkv.bias[c:])
 
-    def heads(t):
-        return t.unflatten(-1, (num_heads, d)).transpose(1, 2)
-
     def rope(t, i):
         return apply_rope(t, rot[i:i + step]) if rot is not None else t
 
@@ -156,24 +171,19 @@ def ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr,
         if conv_head is None:
             conv_head = kv.new_empty(b, n, 3 * d)
         conv_head[:, i:i + step] = kv[..., 2 * c:]
-        k1, v1 = heads(rope(kv[..., :c], i)), heads(kv[..., c:2 * c])
-        z = k1 @ w12
-        z1, z2 = z[..., :d], z[..., d:]
-        a = torch.cat([v1 * F.silu(z2), torch.ops.aten.silu_backward(v1 * z1, z2)], dim=-1)
-        part = k1.transpose(-2, -1) @ a
+        k1, v1 = _heads(rope(kv[..., :c], i), num_heads), _heads(kv[..., c:2 * c], num_heads)
+        part = k1.transpose(-2, -1) @ _swiglu_dz(k1 @ w12, v1, fused=True)
         g = part if g is None else g.add_(part)
-    w12 = w12 - lr * normalize_inner_grad(g * (-scale / float(n)), -2)
+    w12 = w12 - lr * _normalized_swiglu_grad(g, n, scale)
 
-    q2, k2, v2 = conv_head.unflatten(1, (h, w)).split([d, d, d], dim=-1)
-    w3 = w3.repeat(b, 1, 1, 1) - lr * dwconv_inner_grad(k2, v2, scale)
-    x2 = dwconv_per_sample(q2, w3)
-    del conv_head, q2, k2, v2
+    x2 = _conv_head(*conv_head.unflatten(1, (h, w)).split([d, d, d], dim=-1), w3, scale, lr)
+    del conv_head
 
     out = None
     for i in range(0, n, step):
-        z = heads(rope(F.linear(x[:, i:i + step], wq, bq), i)) @ w12
+        z = _heads(rope(F.linear(x[:, i:i + step], wq, bq), i), num_heads) @ w12
         y = z.new_empty(b, z.shape[2], c + d)
-        torch.mul(z[..., :d], F.silu(z[..., d:]), out=heads(y[..., :c]))
+        _swiglu_readout(z, out=_heads(y[..., :c], num_heads))
         y[..., c:] = x2[:, i:i + step]
         y = proj(y)
         if out is None:
