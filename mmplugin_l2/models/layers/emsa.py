@@ -17,187 +17,231 @@ For tokens x (B, N, C) of an (H, W) map, h heads of d = C / h channels, spatial 
     h = 1:  A = softmax(S)                                no conv and no IN, as the authors' code
     out  = Linear_proj(merge_heads(A @ v))             -> (B, N, C)
 
+Conditioning. Written as above, A is ill-conditioned: the softmax map P is close to uniform (1 / N' per
+entry), so P - mean(P) in the instance norm cancels almost all digits. In fp32 the authors' stage 2-4
+outputs differ from float64 by ~1e-4 relative, a batch of two differs from one image at a time, and under
+fp16 / bf16 autocast nothing of the result is left. We compute the same function in a form without that
+cancellation (`deviation_map`):
+
+* softmax over N' is invariant to any constant per (image, head, query) added to its logits. The conv bias
+  is such a constant, and so is q . mean_m(k_m) (through the conv, a sum of such terms), so the logits are
+  formed from centred keys k_m - mean(k) and without the bias: T = Conv1x1_nobias(q (k - k_mean)^T * scale).
+  T has (exactly, up to rounding) zero mean over the keys, and no large common part cancels in q . k.
+* every row of P sums to one, so mean(P) = 1 / N' exactly. With e = expm1(T - c) (c = 0 unless a row's
+  logits reach 64, where c keeps exp finite) and its row mean e_, the deviation from uniform is
+  P - 1 / N' = (e - e_) / (N' (1 + e_)): G = (e - e_) / (1 + e_) holds it at O(|T|) scale, computed without
+  cancellation, and A = G / sqrt(mean(G^2) + eps N'^2) is the instance norm of P.
+* the elementwise part (expm1, means, the norm) runs in fp32 when q, k, v are fp16 / bf16 (autocast or half
+  weights); the two matmuls run in the input dtype. Nothing here depends on the autocast state, so the
+  forward and the recomputation in backward see the same dtypes on every device.
+The single-head form (no conv, no IN) is a plain softmax, already well-conditioned; it also takes the
+centred keys. In float64 both forms equal the authors' code to rounding (tests/test_rest.py).
+
 Memory. The attention map has B * h * N * N' entries. For an 800 x 1344 image, stage 1 has
-67,200 x 1,050 = 70.6 M entries per image and block. Autograd keeps one such map per stage-1 block. In
-stages 2-4 it keeps three per block: the conv input, the softmax output and the IN output. Once a map has
-more than `chunk_elems` entries in a step that records autograd, `emsa_attention` switches to
-`ChunkedEMSAAttention`. That path runs over blocks of queries and keeps only q, k, v, the output and two
-scalars per (image, head). The backward pass recomputes the maps block by block. IN needs statistics over
-all queries, so it is done exactly:
-* Forward: a first pass accumulates the sum of P and of P^2 for each (image, head). A second pass
-  recomputes each block and normalises it with those full-map statistics.
-* Backward: the IN gradient needs two more full-map sums. They come without another pass:
-  sum(dA) = sum_n dout_n . sum_m v_m and sum(dA * A) = sum(dout * out).
-Both paths compute the same function and differ only by float rounding (see tests/test_rest.py). Inference
-(no autograd) always takes the dense path, which is bit-identical to the authors' code: nothing is kept there,
-and the transient maps of one block are small next to a training step's saved tensors.
+67,200 x 1,050 = 70.6 M entries per image and block. Autograd keeps several such maps per block. Once a map
+has more than `chunk_elems` entries in a step that records autograd, `emsa_attention` switches to
+`ChunkedEMSAAttention`. That path runs over blocks of queries and keeps only q, k, v, the output and one
+scalar per (image, head), and the backward pass recomputes the maps block by block. The rows of G are
+independent, so only the IN scale needs all queries:
+* Forward: a first pass accumulates sum(G^2) for each (image, head); a second pass recomputes each block
+  and applies the full-map scale r = (mean(G^2) + eps N'^2)^-1/2.
+* Backward: dG = r (dA - A mean(dA * A)), and the full-map mean comes without another pass:
+  sum(dA * A) = sum(dout * out).
+Both paths compute the same function and differ only by float rounding (see tests/test_rest.py).
+Inference (no autograd) takes the dense path with in-place elementwise steps: nothing is kept there, and the
+transient maps of one block are small next to a training step's saved tensors.
 """
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .cpe import map_to_tokens, tokens_to_map
 
 #: default size limit of an attention map held at once: 2**22 entries = 16 MiB in fp32
 DEFAULT_CHUNK_ELEMS = 2 ** 22
 
-
-def attention_probs(q, k, scale, weight=None, bias=None):
-    """softmax(Conv1x1((q @ k^T) * scale)) over the keys; without `weight`, plain softmax. The 1x1 conv
-    over the heads is written as an einsum: the same sums, more than 10x faster than a 2-8 channel conv2d
-    on CPU (the dense path keeps the conv, for bit-identical results)."""
-    s = (q @ k.transpose(-2, -1)) * scale
-    if weight is not None:
-        s = torch.einsum('gh,bhnm->bgnm', weight[:, :, 0, 0], s) + bias[:, None, None]
-    return s.softmax(dim=-1)
+#: logits above this are shifted down per row before exp (exact: softmax is shift-invariant)
+_EXP_LIMIT = 64.0
 
 
-def _softmax(x):
-    """Softmax over the last dim; written into `x` when no autograd records (same kernel, same values)."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        return x.softmax(dim=-1)
-    return torch.softmax(x, dim=-1, out=x)
+def compute_dtype(t):
+    """fp32 for fp16 / bf16 tensors, else the tensor's own dtype: the dtype of the map's elementwise part."""
+    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
 
 
-def head_mix(attn, conv):
-    """The 1x1 head-mixing conv on (B, h, N, N') maps, without autograd: out_o = b_o + sum_i w_oi a_i as
-    h x h fused multiply-adds over whole maps. Summed in the order oneDNN's 1x1 conv uses (bias first, then
-    the inputs in order), so the values are the conv's bit for bit (checked against the authors' code), but
-    4-8x faster on CPU, where oneDNN handles 2-8 channel maps poorly (2 s of a 7 s ResT-S forward)."""
-    h = attn.shape[1]
-    w = conv.weight[:, :, 0, 0].tolist()
-    out = torch.empty_like(attn)
-    for o, b in enumerate(conv.bias.tolist()):
-        acc = out[:, o].fill_(b)
-        for i in range(h):
-            acc.add_(attn[:, i], alpha=w[o][i])
-    return out
+def centred_keys(k, bias=None):
+    """k - mean over the keys (dim 2): softmax(q k^T) is unchanged, the logits lose their common part.
+    With `bias` (the head-mixing conv bias, which the softmax also ignores) the result carries a zero
+    gradient to it, so that every parameter takes part in the graph (DDP without find_unused_parameters)."""
+    kf = k.to(compute_dtype(k))
+    kc = (kf - kf.mean(dim=2, keepdim=True)).to(k.dtype)
+    if bias is not None and torch.is_grad_enabled() and bias.requires_grad:
+        kc = kc + bias.sum() * 0
+    return kc
 
 
-def _instance_norm(x, eps):
-    """F.instance_norm (no affine, no running stats) over each (image, head) map; without autograd written
-    into `x` by the same batch-norm kernel (same values, one map-sized allocation less)."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        return F.instance_norm(x, eps=eps)
-    b, h = x.shape[:2]
-    flat = x.view(1, b * h, *x.shape[2:])
-    stats = x.new_empty(b * h), x.new_empty(b * h)
-    torch.ops.aten.native_batch_norm.out(flat, None, None, None, None, True, 0.1, eps,
-                                         out=flat, save_mean=stats[0], save_invstd=stats[1])
-    return x
+def _logits(q, kc, scale, weight):
+    """(q kc^T) * scale, heads mixed by the bias-free 1x1 conv `weight` (h, h, 1, 1) when given, in the
+    compute dtype. Without autograd the scaling and the cast happen in place where they can."""
+    s = q @ kc.transpose(-2, -1)
+    cdt = compute_dtype(s)
+    records = torch.is_grad_enabled() and (s.requires_grad or (weight is not None and weight.requires_grad))
+    if weight is None:
+        s = s.to(cdt)
+        return s * scale if records else s.mul_(scale)
+    w = weight[:, :, 0, 0].to(cdt) * scale
+    # einsum over the head dim: the same sums as the 1x1 conv, several times faster on CPU for 2-8 heads
+    return torch.einsum('gh,bhnm->bgnm', w, s.to(cdt))
+
+
+def softmax_map(q, kc, scale):
+    """Single-head form: softmax((q kc^T) * scale) over the keys, in the compute dtype."""
+    s = _logits(q, kc, scale, None)
+    if torch.is_grad_enabled() and s.requires_grad:
+        return s.softmax(dim=-1)
+    return torch.softmax(s, dim=-1, out=s)
+
+
+def deviation_map(q, kc, scale, weight):
+    """G = N' (softmax(T) - 1 / N') for the bias-free mixed logits T of q (B, h, n, d) and centred keys
+    kc (B, h, N', d), in the compute dtype: (B, h, n, N'), computed without cancellation (module
+    docstring). The rows of G sum to zero."""
+    t = _logits(q, kc, scale, weight)
+    c = (t.detach().amax(dim=-1, keepdim=True) - _EXP_LIMIT).clamp_min_(0)
+    if torch.is_grad_enabled() and t.requires_grad:
+        e = torch.expm1(t - c)
+        e_mean = e.mean(dim=-1, keepdim=True)
+        return (e - e_mean) / (1 + e_mean)
+    e = t.sub_(c).expm1_()
+    e_mean = e.mean(dim=-1, keepdim=True)
+    return e.sub_(e_mean).div_(e_mean.add_(1))
+
+
+def _in_scale(sum_sq, count, n_keys, eps):
+    """IN scale of a map from sum(G^2) over its `count` entries: (mean(G^2) + eps N'^2)^-1/2, (B, h, 1, 1)."""
+    return (sum_sq / count + eps * n_keys * n_keys).rsqrt()[..., None, None]
+
+
+def _sum_sq(g):
+    return torch.linalg.vector_norm(g, dim=(2, 3)).square()
+
+
+def _apply(a, v, scale=None):
+    """a @ v in v's dtype (a in the compute dtype), times the per-(image, head) `scale` when given. In the
+    compute dtype the scale goes on the small product; otherwise on `a` first, so that the map cast to
+    half precision holds the normalised O(1) values."""
+    if a.dtype == v.dtype:
+        out = a @ v
+        return out if scale is None else out * scale.to(out.dtype)
+    if scale is not None:
+        a = a * scale
+    return a.to(v.dtype) @ v
 
 
 def naive_emsa_attention(q, k, v, scale, transform_conv=None, eps=1e-5, attn_drop=None):
-    """The dense path: the whole (B, h, N, N') map at once, the authors' sequence of operations. The
-    scaling (and without autograd, the softmax and the instance norm) run in place, and without autograd
-    the head mixing is `head_mix`: bit-identical values, fewer map-sized allocations (the map is 280 MB in
-    stage 1 at 800 x 1344)."""
-    attn = (q @ k.transpose(-2, -1)).mul_(scale)   # bmm keeps no output for backward
-    if transform_conv is not None:
-        records = torch.is_grad_enabled() and (attn.requires_grad or transform_conv.weight.requires_grad)
-        attn = _softmax(transform_conv(attn) if records else head_mix(attn, transform_conv))
-        if attn.shape[-2] * attn.shape[-1] > 1:
-            attn = _instance_norm(attn, eps)
-        else:  # a 1 x 1 map (inputs of <= 32 px): torch refuses it, the normalised value is 0
-            attn = attn - attn.detach()
-    else:
-        attn = _softmax(attn)
-    if attn_drop is not None:
-        attn = attn_drop(attn)
-    return attn @ v
+    """The dense path: the whole (B, h, N, N') map at once. Without autograd its elementwise steps run in
+    place (the map is 280 MB in stage 1 at 800 x 1344)."""
+    with _no_autocast(q):
+        if transform_conv is None:
+            a = softmax_map(q, centred_keys(k), scale)
+            if attn_drop is not None:
+                a = attn_drop(a)
+            return _apply(a, v)
+        kc = centred_keys(k, transform_conv.bias)
+        g = deviation_map(q, kc, scale, transform_conv.weight)
+        r = _in_scale(_sum_sq(g), g.shape[2] * g.shape[3], g.shape[3], eps)
+        if attn_drop is not None:
+            return _apply(attn_drop(g * r), v)
+        return _apply(g, v, r)
 
 
-def _custom_fwd(fn):
-    amp = getattr(torch.amp, 'custom_fwd', None)
-    return amp(device_type='cuda')(fn) if amp is not None else fn
+class _no_autocast:
+    """Autocast off for the device of `t` (the dtypes are explicit inside), a no-op where it has none."""
 
+    def __init__(self, t):
+        dev = t.device.type
+        self.ctx = torch.autocast(dev, enabled=False) if dev in ('cpu', 'cuda', 'xpu', 'mps') else None
 
-def _custom_bwd(fn):
-    amp = getattr(torch.amp, 'custom_bwd', None)
-    return amp(device_type='cuda')(fn) if amp is not None else fn
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            return self.ctx.__exit__(*exc)
 
 
 class ChunkedEMSAAttention(torch.autograd.Function):
     """A @ v of EMSA, computed over blocks of `rows` queries and recomputed in backward.
 
-    Inputs: q (B, h, N, d), k and v (B, h, N', d); `weight` (h, h, 1, 1) and `bias` (h,) of the head-mixing
-    conv, or None for the single-head form (softmax only); `scale`, `eps` (IN), `rows`. Output (B, h, N, d).
+    Inputs: q (B, h, N, d), centred keys kc and values v (B, h, N', d); `weight` (h, h, 1, 1) of the
+    head-mixing conv (its bias does not change A), or None for the single-head form (softmax only);
+    `scale`, `eps` (IN), `rows`. Output (B, h, N, d) in v's dtype.
     """
 
     @staticmethod
-    @_custom_fwd
-    def forward(ctx, q, k, v, weight, bias, scale, eps, rows):
-        n = q.shape[2]
+    def forward(ctx, q, kc, v, weight, scale, eps, rows):
+        n, n_keys = q.shape[2], kc.shape[2]
         blocks = [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
-        mu = rstd = None
-        if weight is None:
-            out = torch.cat([attention_probs(q[:, :, b], k, scale) @ v for b in blocks], dim=2)
-        else:
-            # full-map IN statistics, accumulated around the exact mean of a row-stochastic map (1 / N')
-            shift = 1.0 / k.shape[2]
-            s1 = q.new_zeros(q.shape[:2], dtype=torch.float64)
-            s2 = q.new_zeros(q.shape[:2], dtype=torch.float64)
-            for b in blocks:
-                p = attention_probs(q[:, :, b], k, scale, weight, bias) - shift
-                s1 += p.sum(dim=(2, 3), dtype=torch.float64)
-                s2 += p.square().sum(dim=(2, 3), dtype=torch.float64)
-            count = n * k.shape[2]
-            dev = s1 / count
-            var = (s2 / count - dev.square()).clamp_min(0)
-            mu = (dev + shift).to(q.dtype)[..., None, None]
-            rstd = (var + eps).rsqrt().to(q.dtype)[..., None, None]
-            out = torch.cat([((attention_probs(q[:, :, b], k, scale, weight, bias) - mu) * rstd) @ v
-                             for b in blocks], dim=2)
+        r = None
+        with _no_autocast(q):
+            if weight is None:
+                out = torch.cat([_apply(softmax_map(q[:, :, b], kc, scale), v) for b in blocks], dim=2)
+            else:
+                sum_sq = sum(_sum_sq(deviation_map(q[:, :, b], kc, scale, weight)) for b in blocks)
+                r = _in_scale(sum_sq, n * n_keys, n_keys, eps)
+                out = torch.cat([_apply(deviation_map(q[:, :, b], kc, scale, weight), v, r) for b in blocks],
+                                dim=2)
         ctx.blocks, ctx.scale = blocks, scale
-        ctx.save_for_backward(q, k, v, weight, bias, out, mu, rstd)
+        ctx.save_for_backward(q, kc, v, weight, out, r)
         return out
 
     @staticmethod
-    @_custom_bwd
     def backward(ctx, dout):
-        q, k, v, weight, bias, out, mu, rstd = ctx.saved_tensors
-        need_q, need_k, need_v, need_w, need_b = ctx.needs_input_grad[:5]
+        q, kc, v, weight, out, r = ctx.saved_tensors
+        need_q, need_k, need_v, need_w = ctx.needs_input_grad[:4]
+        cdt = compute_dtype(q)
         dout = dout.contiguous()
+        vc = v.to(cdt)
         dq = [] if need_q else None
-        dk = torch.zeros_like(k) if need_k else None
-        dv = torch.zeros_like(v) if need_v else None
+        dk = torch.zeros_like(kc, dtype=cdt) if need_k else None
+        dv = torch.zeros_like(v, dtype=cdt) if need_v else None
         dw = torch.zeros_like(weight) if need_w else None
-        db = torch.zeros_like(bias) if need_b else None
         if weight is not None:
-            # IN backward: dP = rstd * (dA - mean(dA) - A * mean(dA * A)), means over each N x N' map
-            count = q.shape[2] * k.shape[2]
-            mean_da = (torch.einsum('bhnd,bhd->bh', dout, v.sum(dim=2)) / count)[..., None, None]
-            mean_daa = ((dout * out).sum(dim=(2, 3)) / count)[..., None, None]
-        kd = k.detach().requires_grad_(need_k)
+            # IN backward: dG = r (dA - A mean(dA * A)), with sum(dA * A) = sum(dout * out)
+            count = q.shape[2] * kc.shape[2]
+            mean_daa = ((dout.to(cdt) * out.to(cdt)).sum(dim=(2, 3)) / count)[..., None, None]
+        kd = kc.detach().requires_grad_(need_k)
         wd = weight.detach().requires_grad_(need_w) if weight is not None else None
-        bd = bias.detach().requires_grad_(need_b) if bias is not None else None
-        for b in ctx.blocks:
-            with torch.enable_grad():
-                qb = q[:, :, b].detach().requires_grad_(need_q)
-                p = attention_probs(qb, kd, ctx.scale, wd, bd)
-            do = dout[:, :, b]
-            da = do @ v.transpose(-2, -1)
-            if weight is None:
-                a, dp = p.detach(), da
-            else:
-                a = (p.detach() - mu) * rstd
-                dp = rstd * (da - mean_da - a * mean_daa)
-            if need_v:
-                dv += a.transpose(-2, -1) @ do
-            inputs = [t for t, need in ((qb, need_q), (kd, need_k), (wd, need_w), (bd, need_b)) if need]
-            if inputs:
-                grads = list(torch.autograd.grad(p, inputs, dp))
-                if need_q:
-                    dq.append(grads.pop(0))
-                if need_k:
-                    dk += grads.pop(0)
-                if need_w:
-                    dw += grads.pop(0)
-                if need_b:
-                    db += grads.pop(0)
+        with _no_autocast(q):
+            for b in ctx.blocks:
+                with torch.enable_grad():
+                    qb = q[:, :, b].detach().requires_grad_(need_q)
+                    p = softmax_map(qb, kd, ctx.scale) if weight is None else deviation_map(qb, kd, ctx.scale, wd)
+                do = dout[:, :, b].to(cdt)
+                da = do @ vc.transpose(-2, -1)
+                if weight is None:
+                    a, dp = p.detach(), da
+                else:
+                    a = p.detach() * r
+                    dp = r * (da - a * mean_daa)
+                if need_v:
+                    dv += a.transpose(-2, -1) @ do
+                inputs = [t for t, need in ((qb, need_q), (kd, need_k), (wd, need_w)) if need]
+                if inputs:
+                    grads = list(torch.autograd.grad(p, inputs, dp))
+                    if need_q:
+                        dq.append(grads.pop(0))
+                    if need_k:
+                        dk += grads.pop(0)
+                    if need_w:
+                        dw += grads.pop(0)
         if need_q:
             dq = torch.cat(dq, dim=2)
-        return dq, dk, dv, dw, db, None, None, None
+        if need_v:
+            dv = dv.to(v.dtype)
+        if need_k:
+            dk = dk.to(kc.dtype)
+        return dq, dk, dv, dw, None, None, None
 
 
 def emsa_attention(q, k, v, scale, transform_conv=None, eps=1e-5, chunk_elems=DEFAULT_CHUNK_ELEMS):
@@ -205,8 +249,8 @@ def emsa_attention(q, k, v, scale, transform_conv=None, eps=1e-5, chunk_elems=DE
 
     When autograd records (a training step) and the map has more than `chunk_elems` entries, this is
     `ChunkedEMSAAttention` with blocks of at most that size. Otherwise, and always when `chunk_elems` is
-    None, it is the dense path, which is bit-identical to the authors' code. Without autograd nothing is
-    kept for backward, so the dense maps are only transient."""
+    None, it is the dense path. Without autograd nothing is kept for backward, so the dense maps are only
+    transient."""
     b, h, n, _ = q.shape
     n_keys = k.shape[2]
     records = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -214,8 +258,8 @@ def emsa_attention(q, k, v, scale, transform_conv=None, eps=1e-5, chunk_elems=DE
         return naive_emsa_attention(q, k, v, scale, transform_conv, eps)
     rows = max(1, chunk_elems // (b * h * n_keys))
     weight = transform_conv.weight if transform_conv is not None else None
-    bias = transform_conv.bias if transform_conv is not None else None
-    return ChunkedEMSAAttention.apply(q, k, v, weight, bias, scale, eps, rows)
+    kc = centred_keys(k, transform_conv.bias if transform_conv is not None else None)
+    return ChunkedEMSAAttention.apply(q, kc, v, weight, scale, eps, rows)
 
 
 class EMSA(nn.Module):

@@ -19,6 +19,8 @@ Speed and memory (same maths as the authors' code, outputs equal to rounding):
 * in training, `TTTCore` (an autograd Function) keeps only the fused qkv tensor for backward and
   recomputes the inner-model intermediates there, instead of storing ~10 (B, N, C) temporaries per block.
 """
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -55,7 +57,35 @@ def _normalized_swiglu_grad(kta, n, scale):
 def _swiglu_grad_pair(k, v, w12, scale, fused):
     """Normalised [g1 | g2] (B, H, d, 2d) of L = -(scale/N) sum((k W1) * SiLU(k W2) * v), w12 = [W1 | W2]."""
     a = _swiglu_dz(k @ w12, v, fused)
-    return _normalized_swiglu_grad(k.transpose(-2, -1) @ a, k.shape[-2], scale)
+    return _normalized_swiglu_grad(token_sum_matmul(k.transpose(-2, -1), a), k.shape[-2], scale)
+
+
+def token_sum_matmul(kt, a):
+    """kt @ a, a sum over all N tokens (kt (..., d, N), a (..., N, 2d)). In fp16 (autocast or half
+    weights) the sum can exceed fp16's range (65504) at detection sizes, so it runs in fp32 with autocast
+    off; bf16 has fp32's range and stays as it is."""
+    if torch.float16 not in (kt.dtype, a.dtype) and not _autocast_to(kt, torch.float16):
+        return kt @ a
+    with _autocast_off(kt.device.type):
+        return kt.float() @ a.float()
+
+
+def _autocast_to(t, dtype):
+    dev = t.device.type
+    return (torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
+            and torch.get_autocast_dtype(dev) == dtype)
+
+
+def _autocast_off(device_type):
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()  # e.g. the meta device
+
+
+def _fast_weights(w12, k):
+    """[W1 | W2] in the dtype of the matmuls with k: fp32 after RoPE (which returns fp32) on half
+    weights; unchanged under autocast (fp32 weights) and in fp32 / fp64."""
+    return w12.to(torch.promote_types(w12.dtype, k.dtype))
 
 
 def _heads(t, num_heads):
@@ -72,7 +102,7 @@ def _swiglu_readout(z, out=None):
 def _conv_head(q2, k2, v2, w3, scale, lr):
     """The depth-wise 3x3 inner model: one gradient step on (k2, v2), applied to q2; maps (B, H, W, d)
     channels-last -> tokens (B, H*W, d)."""
-    w3 = w3.repeat(q2.shape[0], 1, 1, 1) - lr * dwconv_inner_grad(k2, v2, scale)
+    w3 = w3.repeat(q2.shape[0], 1, 1, 1) - lr * dwconv_inner_grad(k2, v2, scale).to(w3.dtype)
     return dwconv_per_sample(q2, w3)
 
 
@@ -95,11 +125,12 @@ def dwconv_inner_grad(k, v, scale):
     Args:
         k, v: (B, H, W, d) channels-last maps (strided views are fine).
     Returns:
-        (B*d, 1, 3, 3) normalised gradient (per sample and channel).
+        (B*d, 1, 3, 3) normalised gradient (per sample and channel); fp32 for fp16 / bf16 maps.
     """
     b, h, w, c = k.shape
     kp = F.pad(k, (0, 0, 1, 1, 1, 1))
-    g = torch.stack([(kp[:, dy:dy + h, dx:dx + w] * v).sum(dim=(1, 2))
+    acc = torch.float32 if k.dtype in (torch.float16, torch.bfloat16) else None  # fp16 range: sums over H*W
+    g = torch.stack([(kp[:, dy:dy + h, dx:dx + w] * v).sum(dim=(1, 2), dtype=acc)
                      for dy in range(3) for dx in range(3)], dim=-1)
     g = (g * (-scale / float(h * w))).reshape(b * c, 1, 3, 3)
     return normalize_inner_grad(g, (-2, -1))
@@ -135,8 +166,8 @@ def ttt_core(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, fused=False):
         q1, k1 = apply_rope(q1, rot), apply_rope(k1, rot)
 
     q1, k1, v1 = (_heads(t, num_heads) for t in (q1, k1, v1))
-    w12 = torch.cat([w1, w2], dim=-1)
-    w12 = w12 - lr * _swiglu_grad_pair(k1, v1, w12, scale, fused)
+    w12 = _fast_weights(torch.cat([w1, w2], dim=-1), k1)
+    w12 = w12 - (lr * _swiglu_grad_pair(k1, v1, w12, scale, fused)).to(w12.dtype)
     x1 = _swiglu_readout(q1 @ w12).transpose(1, 2).reshape(b, n, c)
     x2 = _conv_head(*(t.unflatten(1, (h, w)) for t in (q2, k2, v2)), w3, scale, lr)
     return torch.cat([x1, x2.to(x1.dtype)], dim=-1)
@@ -172,9 +203,11 @@ def ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr,
             conv_head = kv.new_empty(b, n, 3 * d)
         conv_head[:, i:i + step] = kv[..., 2 * c:]
         k1, v1 = _heads(rope(kv[..., :c], i), num_heads), _heads(kv[..., c:2 * c], num_heads)
-        part = k1.transpose(-2, -1) @ _swiglu_dz(k1 @ w12, v1, fused=True)
+        if i == 0:
+            w12 = _fast_weights(w12, k1)
+        part = token_sum_matmul(k1.transpose(-2, -1), _swiglu_dz(k1 @ w12, v1, fused=True))
         g = part if g is None else g.add_(part)
-    w12 = w12 - lr * _normalized_swiglu_grad(g, n, scale)
+    w12 = w12 - (lr * _normalized_swiglu_grad(g, n, scale)).to(w12.dtype)
 
     x2 = _conv_head(*conv_head.unflatten(1, (h, w)).split([d, d, d], dim=-1), w3, scale, lr)
     del conv_head
@@ -185,7 +218,7 @@ def ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr,
         y = z.new_empty(b, z.shape[2], c + d)
         _swiglu_readout(z, out=_heads(y[..., :c], num_heads))
         y[..., c:] = x2[:, i:i + step]
-        y = proj(y)
+        y = proj(y.to(proj.weight.dtype))
         if out is None:
             out = y.new_empty(b, n, y.shape[-1])
         out[:, i:i + step] = y
@@ -268,7 +301,7 @@ class TTTAttention(nn.Module):
             y = TTTCore.apply(*args)
         else:
             y = ttt_core(*args)
-        return self.proj(y)
+        return self.proj(y.to(self.proj.weight.dtype))
 
     def extra_repr(self):
         return f'dim={self.dim}, num_heads={self.num_heads}, scale={self.scale:.4g}'

@@ -1,0 +1,114 @@
+"""Numerical accuracy of a backbone off the fp32 path: float64 reference error, batch independence,
+fp16 / bf16 autocast, half-precision weights and training gradients under autocast
+(tools/analysis/precision.py).
+
+Every figure is relative and per output stage:
+* `rel_max(a, ref)` = max |a - ref| / max |ref| (fp32 against float64, batch of two against one at a time);
+* `rel_l2(a, ref)` = ||a - ref||_2 / ||ref||_2 (low precision against fp32, as AMP users compare);
+  non-finite outputs are reported as inf.
+"""
+import copy
+
+import torch
+
+#: check name -> what it compares
+CHECKS = {
+    'fp64': 'fp32 outputs vs the same model in float64 (rel. max abs)',
+    'batch': 'a batch of two vs the two images one at a time, fp32 (rel. max abs)',
+    'bf16': 'bf16 autocast vs fp32 (rel. L2)',
+    'fp16': 'fp16 autocast vs fp32 (rel. L2)',
+    'half': 'model.half() vs fp32 (rel. L2)',
+    'bfloat16': 'model.bfloat16() vs fp32 (rel. L2)',
+    'grad_bf16': 'one training step under bf16 autocast: parameter gradients vs fp32 (rel. L2, all params)',
+    'grad_fp16': 'one training step under fp16 autocast: parameter gradients vs fp32 (rel. L2, all params)',
+}
+_LOW = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'half': torch.float16, 'bfloat16': torch.bfloat16}
+
+
+def rel_max(a, ref):
+    a, ref = a.double(), ref.double()
+    if not torch.isfinite(a).all():
+        return float('inf')
+    return ((a - ref).abs().max() / ref.abs().max().clamp_min(1e-300)).item()
+
+
+def rel_l2(a, ref):
+    a, ref = a.double(), ref.double()
+    if not torch.isfinite(a).all():
+        return float('inf')
+    return (torch.linalg.vector_norm(a - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-300)).item()
+
+
+@torch.no_grad()
+def _forward(model, x):
+    return [o.float() if o.dtype != torch.float64 else o for o in model(x)]
+
+
+def fp64_error(model, x):
+    ref = _forward(copy.deepcopy(model).double(), x.double())
+    return [rel_max(a, r) for a, r in zip(_forward(model, x), ref)]
+
+
+def batch_error(model, x):
+    """x holds two or more images: the batch against each image alone."""
+    full = _forward(model, x)
+    single = [_forward(model, x[i:i + 1]) for i in range(x.shape[0])]
+    return [rel_max(f, torch.cat([s[j] for s in single])) for j, f in enumerate(full)]
+
+
+def autocast_error(model, x, dtype, ref=None):
+    ref = ref if ref is not None else _forward(model, x)
+    with torch.autocast(x.device.type, dtype=dtype):
+        out = _forward(model, x)
+    return [rel_l2(a, r) for a, r in zip(out, ref)]
+
+
+def cast_error(model, x, dtype, ref=None):
+    ref = ref if ref is not None else _forward(model, x)
+    low = copy.deepcopy(model).to(dtype)
+    return [rel_l2(a, r) for a, r in zip(_forward(low, x.to(dtype)), ref)]
+
+
+def _grads(model, x, dtype=None):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
+        loss = sum((o.float() ** 2).mean() for o in model(x))
+    loss.backward()
+    return {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def grad_error(model, x, dtype):
+    """rel. L2 of the flattened gradient of all parameters after one step on sum_i mean(out_i^2) under
+    autocast, against fp32; inf if any gradient is not finite."""
+    model = copy.deepcopy(model).train()
+    ref = _grads(model, x)
+    low = _grads(model, x, dtype)
+    if set(ref) != set(low):
+        raise RuntimeError(f'gradients of {sorted(set(ref) ^ set(low))} exist only in one precision')
+    a = torch.cat([low[n].flatten() for n in ref])
+    r = torch.cat([ref[n].flatten() for n in ref])
+    return [rel_l2(a, r)]
+
+
+def run_checks(model, x, checks):
+    """{check: [per-stage figure]} for an eval-mode `model` (fp32) and a batch `x` (fp32, B >= 2 for
+    'batch'; the other checks use its first image)."""
+    model.eval()
+    one = x[:1]
+    res, ref = {}, None
+    for c in checks:
+        if c not in CHECKS:
+            raise KeyError(f'unknown check {c!r}; choose from {sorted(CHECKS)}')
+        if c == 'fp64':
+            res[c] = fp64_error(model, one)
+        elif c == 'batch':
+            if x.shape[0] < 2:
+                raise ValueError('the batch check needs a batch of at least two images')
+            res[c] = batch_error(model, x[:2])
+        elif c.startswith('grad_'):
+            res[c] = grad_error(model, one, _LOW[c[5:]])
+        else:
+            ref = ref if ref is not None else _forward(model, one)
+            fn = autocast_error if c in ('bf16', 'fp16') else cast_error
+            res[c] = fn(model, one, _LOW[c], ref)
+    return res
