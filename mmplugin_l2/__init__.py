@@ -2,8 +2,9 @@
 
 `custom_imports = dict(imports=['mmplugin_l2'], allow_failed_imports=False)` registers every backbone in
 MMEngine's root MODELS registry (found from mmdet, mmseg and mmpretrain scopes alike) and allow-lists
-mmengine's checkpoint types for torch's safe loader.
+mmengine's checkpoint types for torch's safe loader; `ExactResumeHook` (hooks.py) joins mmengine's HOOKS.
 """
 from . import checkpoint  # noqa: F401  (registers the safe globals)
+from . import hooks  # noqa: F401  (registers ExactResumeHook in mmengine's HOOKS)
 from .models import *  # noqa: F401,F403
 from .version import __version__  # noqa: F401

@@ -21,6 +21,10 @@ class DatasetNotFoundError(FileNotFoundError):
     pass
 
 
+class NothingToResumeError(FileNotFoundError):
+    pass
+
+
 def load_config(path, cfg_options=None, work_dir=None, launcher='none'):
     if not osp.isfile(path):
         raise FileNotFoundError(f'config file not found: {path}')
@@ -165,3 +169,77 @@ def format_metrics(metrics):
 def set_local_rank(local_rank):
     if 'LOCAL_RANK' not in os.environ:
         os.environ['LOCAL_RANK'] = str(local_rank)
+
+
+# ---- checkpoints --------------------------------------------------------------------------------
+FIT_HINT = ('Is it a checkpoint of this config\'s model (same detector / segmentor / classifier, backbone '
+            'type and arch, number of classes)? To load it anyway, keeping only the keys that fit, pass '
+            '--non-strict.')
+
+
+def read_checkpoint(path):
+    """The checkpoint at `path`, or a CheckpointError / FileNotFoundError in one line (see
+    mmplugin_l2.checkpoint.load_checkpoint_file)."""
+    from .checkpoint import load_checkpoint_file
+    return load_checkpoint_file(path)
+
+
+def unwrap_model(model):
+    from mmengine.model import is_model_wrapper
+    return model.module if is_model_wrapper(model) else model
+
+
+def check_checkpoint_fits(model, ckpt, source, strict=True, logger='current'):
+    """Compare a whole-model checkpoint with `model` (keys and shapes). Strict: raise CheckpointError
+    listing the missing / unexpected / mis-shaped keys; else log them as a warning. mmengine's own
+    `Runner.load_checkpoint` only warns (strict=False)."""
+    from mmengine.logging import print_log
+
+    from .checkpoint import CheckpointError, describe_mismatch, model_state_dict, state_dict_mismatch
+    model = unwrap_model(model)
+    sd = model_state_dict(ckpt, source)
+    mismatch = state_dict_mismatch(model, sd)
+    if not any(mismatch):
+        return
+    if strict:
+        raise CheckpointError(describe_mismatch(model, mismatch, source, FIT_HINT, limit=5))
+    import logging
+    print_log(describe_mismatch(model, mismatch, source, '--non-strict: loading the keys that fit; the '
+                                'others keep their initialisation.', limit=5),
+              logger=logger, level=logging.WARNING)
+
+
+def resolve_resume(cfg, resume):
+    """`--resume` (auto: the latest checkpoint of work_dir, as named by its `last_checkpoint` file) or
+    `--resume PATH` -> the checkpoint path; set cfg.resume / cfg.load_from. Nothing to resume is an
+    error (NothingToResumeError), not a silent run from scratch."""
+    if resume is None:
+        return None
+    if resume == 'auto':
+        from mmengine.runner import find_latest_checkpoint
+        path = find_latest_checkpoint(cfg.work_dir) if osp.isdir(cfg.work_dir) else None
+        if path is None:
+            raise NothingToResumeError(
+                f'--resume: nothing to resume in work dir {cfg.work_dir!r} (no last_checkpoint file there; '
+                f'it is written with each checkpoint). Start without --resume to train from scratch, pass '
+                f'the checkpoint as --resume PATH, or point --work-dir at the interrupted run.')
+    else:
+        path = resume
+        if not osp.exists(path):
+            raise NothingToResumeError(f'--resume: checkpoint file not found: {path!r}')
+    cfg.resume, cfg.load_from = True, path
+    return path
+
+
+RESUME_HOOK = 'ExactResumeHook'
+
+
+def add_resume_hook(cfg):
+    """Add ExactResumeHook (mmplugin_l2/hooks.py) to `custom_hooks` unless the config lists it; a config
+    opts out with `exact_resume = False`."""
+    if cfg.get('exact_resume', True) is False:
+        return
+    hooks = list(cfg.get('custom_hooks') or [])
+    if not any(h.get('type') in (RESUME_HOOK, f'mmplugin_l2.{RESUME_HOOK}') for h in hooks):
+        hooks.append(dict(type=RESUME_HOOK))
+    cfg.custom_hooks = hooks

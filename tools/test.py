@@ -1,8 +1,11 @@
 """Evaluate a checkpoint on an mmdet, mmseg or mmpretrain config: prints COCO AP (bbox, segm), mIoU or
 top-1, whichever the config's evaluator computes.
 
-    python tools/test.py CONFIG CHECKPOINT [--work-dir DIR] [--show-dir DIR] [--cfg-options k=v ...]
+    python tools/test.py CONFIG CHECKPOINT [--work-dir DIR] [--show-dir DIR] [--non-strict] [--cfg-options k=v ...]
     bash tools/dist_test.sh CONFIG CHECKPOINT NUM_PROCS [args...]
+
+A checkpoint that cannot be read, or whose keys / shapes do not fit the config's model, stops with an
+error listing them (`--non-strict` evaluates anyway). See docs/reliability.md.
 """
 import argparse
 import json
@@ -14,9 +17,10 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
 from mmengine.config import DictAction  # noqa: E402
 
 import mmplugin_l2  # noqa: E402,F401
-from mmplugin_l2.engine import (DatasetNotFoundError, build_runner, check_data, enable_visualization,  # noqa: E402
-                                format_metrics, load_config, set_local_rank,
-                                setup_cpu_distributed)
+from mmplugin_l2.checkpoint import CheckpointError  # noqa: E402
+from mmplugin_l2.engine import (DatasetNotFoundError, build_runner, check_checkpoint_fits,  # noqa: E402
+                                check_data, enable_visualization, format_metrics, load_config,
+                                read_checkpoint, set_local_rank, setup_cpu_distributed)
 
 
 def parse_args(argv=None):
@@ -26,6 +30,9 @@ def parse_args(argv=None):
     p.add_argument('--work-dir', help='where the metrics log goes')
     p.add_argument('--show-dir', help='draw predictions over the test images into this folder')
     p.add_argument('--out', help='also write the metrics to this JSON file')
+    p.add_argument('--non-strict', action='store_true',
+                   help='evaluate a checkpoint whose keys or shapes do not all fit the model (the keys '
+                        'that fit are loaded, the others keep their initialisation; the mismatch is logged)')
     p.add_argument('--cfg-options', nargs='+', action=DictAction,
                    help='override config entries, key=value')
     p.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'], default='none')
@@ -44,7 +51,7 @@ def to_json(v):
 def main(argv=None):
     args = parse_args(argv)
     set_local_rank(args.local_rank)
-    if not osp.isfile(args.checkpoint):
+    if not osp.exists(args.checkpoint):
         sys.exit(f'error: checkpoint file not found: {args.checkpoint}')
     cfg = load_config(args.config, args.cfg_options, args.work_dir, args.launcher)
     cfg.load_from = args.checkpoint
@@ -55,10 +62,16 @@ def main(argv=None):
         enable_visualization(cfg, args.show_dir)
     try:
         check_data(cfg, ['test_dataloader'])
-    except DatasetNotFoundError as err:
+        ckpt = read_checkpoint(args.checkpoint)
+    except (DatasetNotFoundError, CheckpointError) as err:
         sys.exit(f'error: {err}')
     setup_cpu_distributed(cfg)
     runner = build_runner(cfg)
+    try:
+        check_checkpoint_fits(runner.model, ckpt, args.checkpoint, strict=not args.non_strict)
+    except CheckpointError as err:
+        sys.exit(f'error: {err}')
+    del ckpt
     metrics = runner.test()
     from mmengine.dist import is_main_process
     if is_main_process():

@@ -1,7 +1,12 @@
 """Train a model from an mmdet, mmseg or mmpretrain config with an mmplugin_l2 backbone.
 
-    python tools/train.py CONFIG [--work-dir DIR] [--resume [CKPT]] [--amp] [--cfg-options k=v ...]
+    python tools/train.py CONFIG [--work-dir DIR] [--resume [CKPT]] [--non-strict] [--amp] [--cfg-options k=v ...]
     bash tools/dist_train.sh CONFIG NUM_PROCS [args...]        # torchrun, --launcher pytorch
+
+`--resume` continues exactly (random states and data position, mmplugin_l2.hooks.ExactResumeHook, added
+to every config); with nothing to resume it stops with an error. A checkpoint to resume or `load_from`, or
+the backbone's `init_cfg=Pretrained` file, that does not fit the model stops the run, listing the keys
+(`--non-strict` loads what fits). See docs/reliability.md.
 """
 import argparse
 import logging
@@ -15,7 +20,9 @@ from mmengine.config import DictAction  # noqa: E402
 from mmengine.logging import print_log  # noqa: E402
 
 import mmplugin_l2  # noqa: E402,F401  (registers the backbones and the checkpoint allow-list)
-from mmplugin_l2.engine import (build_runner, check_data, check_pretrained, load_config,  # noqa: E402
+from mmplugin_l2.checkpoint import CheckpointError  # noqa: E402
+from mmplugin_l2.engine import (add_resume_hook, build_runner, check_checkpoint_fits, check_data,  # noqa: E402
+                                check_pretrained, load_config, read_checkpoint, resolve_resume,
                                 set_local_rank, setup_cpu_distributed)
 
 
@@ -24,7 +31,11 @@ def parse_args(argv=None):
     p.add_argument('config', help='config file')
     p.add_argument('--work-dir', help='where logs and checkpoints go (default: work_dirs/CONFIG_NAME)')
     p.add_argument('--resume', nargs='?', const='auto', default=None,
-                   help='resume from CKPT, or from the latest checkpoint of work-dir if no path')
+                   help='resume from CKPT, or from the latest checkpoint of work-dir if no path (an error '
+                        'when there is none)')
+    p.add_argument('--non-strict', action='store_true',
+                   help='load a resume / load_from / init_cfg=Pretrained checkpoint whose keys or shapes do '
+                        'not all fit the model (the keys that fit; the mismatch is logged)')
     p.add_argument('--amp', action='store_true', help='automatic mixed precision (AmpOptimWrapper)')
     p.add_argument('--auto-scale-lr', action='store_true', help='scale lr by the actual batch size')
     p.add_argument('--cfg-options', nargs='+', action=DictAction,
@@ -55,19 +66,28 @@ def main(argv=None):
         if 'auto_scale_lr' not in cfg:
             raise ValueError('--auto-scale-lr needs auto_scale_lr.base_batch_size in the config')
         cfg.auto_scale_lr.enable = True
-    if args.resume == 'auto':
-        cfg.resume, cfg.load_from = True, None
-    elif args.resume is not None:
-        cfg.resume, cfg.load_from = True, args.resume
+    add_resume_hook(cfg)
+    init = cfg.model.get('backbone', {}).get('init_cfg')
+    if args.non_strict and isinstance(init, dict) and init.get('type') == 'Pretrained':
+        init['strict'] = False
     loaders = ['train_dataloader'] + (['val_dataloader'] if cfg.get('val_cfg') else [])
     try:
+        resolve_resume(cfg, args.resume)
         check_data(cfg, loaders)
         check_pretrained(cfg)
-    except FileNotFoundError as err:
+        local = cfg.get('load_from') and '://' not in str(cfg.load_from)
+        ckpt = read_checkpoint(cfg.load_from) if local else None
+    except (FileNotFoundError, CheckpointError) as err:
         sys.exit(f'error: {err}')
     setup_cpu_distributed(cfg)
     runner = build_runner(cfg)
-    runner.train()
+    try:
+        if ckpt is not None:
+            check_checkpoint_fits(runner.model, ckpt, cfg.load_from, strict=not args.non_strict)
+            del ckpt
+        runner.train()
+    except CheckpointError as err:  # also init_cfg=Pretrained, raised while the weights are initialised
+        sys.exit(f'error: {err}')
 
 
 if __name__ == '__main__':

@@ -42,5 +42,6 @@ param_scheduler = [
     dict(type='LinearLR', start_factor=0.01, by_epoch=False, begin=0, end=20),
     dict(type='CosineAnnealingLR', eta_min_ratio=1e-2, by_epoch=True, begin=0, end=max_epochs),
 ]
-custom_hooks = []
+# exact --resume: random states and data position in every checkpoint (docs/reliability.md)
+custom_hooks = [dict(type='ExactResumeHook')]
 default_hooks = dict(logger=dict(interval=10), checkpoint=dict(interval=max_epochs))

@@ -48,3 +48,5 @@ param_scheduler = [
     dict(type='MultiStepLR', begin=0, end=max_epochs, by_epoch=True, milestones=[3], gamma=0.1),
 ]
 default_hooks = dict(logger=dict(interval=10), checkpoint=dict(interval=max_epochs))
+# exact --resume: random states and data position in every checkpoint (docs/reliability.md)
+custom_hooks = [dict(type='ExactResumeHook')]

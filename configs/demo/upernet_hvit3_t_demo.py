@@ -48,3 +48,5 @@ param_scheduler = [
 ]
 train_cfg = dict(type='IterBasedTrainLoop', max_iters=max_iters, val_interval=max_iters)
 default_hooks = dict(logger=dict(interval=20), checkpoint=dict(interval=max_iters))
+# exact --resume: random states and data position in every checkpoint (docs/reliability.md)
+custom_hooks = [dict(type='ExactResumeHook')]

@@ -9,8 +9,17 @@ A `PyramidBackbone` has a stem `patch_embed` and a ModuleList `layers` of stages
   `norm_eval` (BatchNorms stay in eval mode while training), honoured by `train()`;
 * `with_cp`: activation checkpointing of each block (`run_block`);
 * `init_cfg=dict(type='Pretrained', checkpoint=...)`: the authors' checkpoints are converted by the
-  subclass's `convert_state_dict` and loaded strictly, with a clear error on keys that do not fit.
+  subclass's `convert_state_dict` and loaded strictly, with a clear error on keys that do not fit
+  (`strict=False` in the init_cfg loads the keys that fit and warns about the others);
+* input validation around every subclass's `forward` (wrapped once, in `__init_subclass__`): images of
+  shape (B, in_channels, H, W); an empty batch (B=0) returns empty maps of the shapes a batch of that
+  image size would get; a training batch that a BatchNorm cannot normalise (one value per channel)
+  stops with a message saying why and what works.
 """
+import functools
+import operator
+
+import torch
 import torch.nn as nn
 from mmcv.cnn import build_norm_layer
 from mmengine.logging import MMLogger, print_log
@@ -38,6 +47,69 @@ def resolve_arch(arch, arch_zoo, required_keys, name):
     return dict(arch)
 
 
+def normalize_out_indices(out_indices, num_stages, name):
+    """`out_indices` as a tuple of non-negative stage indices (negative ones count from the end).
+
+    Rejects, quoting what was passed: non-integers, indices outside [-num_stages, num_stages), an empty
+    selection, duplicates (also -1 and num_stages - 1) and a non-increasing order (the outputs come in
+    stage order; necks pair them with their `in_channels` in that order)."""
+    given = out_indices
+    if isinstance(out_indices, int) and not isinstance(out_indices, bool):
+        out_indices = [out_indices]
+    try:
+        out_indices = [operator.index(i) for i in out_indices]
+    except TypeError:
+        raise TypeError(f'{name}: out_indices must be an int or a sequence of ints, got {given!r}') from None
+    allowed = f'each index in [{-num_stages}, {num_stages}) (negative ones count from the end)'
+    if not out_indices:
+        raise ValueError(f'{name}: out_indices={given!r} selects no stage; give at least one, '
+                         f'{allowed}, e.g. ({num_stages - 1},)')
+    bad = [i for i in out_indices if not -num_stages <= i < num_stages]
+    if bad:
+        raise ValueError(f'{name}: out_indices={given!r}: {bad} out of range; the model has {num_stages} '
+                         f'stages, so {allowed}')
+    pos = [i + num_stages if i < 0 else i for i in out_indices]
+    if len(set(pos)) != len(pos):
+        raise ValueError(f'{name}: out_indices={given!r} names a stage twice (as stages {pos}); each stage '
+                         f'can be returned once')
+    if pos != sorted(pos):
+        raise ValueError(f'{name}: out_indices={given!r} is not in increasing stage order (stages {pos}); '
+                         f'the outputs come in stage order: pass {tuple(sorted(pos))}')
+    return pos
+
+
+def _is_bn_one_value_error(err):
+    return isinstance(err, ValueError) and 'Expected more than 1 value per channel' in str(err)
+
+
+def _exporting():
+    """Tracing, scripting, ONNX export or torch.compile / torch.export: no Python-level checks."""
+    compiling = getattr(getattr(torch, 'compiler', None), 'is_compiling', lambda: False)
+    return (torch.jit.is_tracing() or torch.jit.is_scripting() or torch.onnx.is_in_onnx_export()
+            or compiling())
+
+
+def _guard_forward(forward):
+    """Wrap a backbone's `forward(x)`: input check, empty batches, BatchNorm batch-size message."""
+
+    @functools.wraps(forward)
+    def wrapped(self, x, *args, **kwargs):
+        if _exporting():
+            return forward(self, x, *args, **kwargs)
+        self.check_input(x)
+        if x.shape[0] == 0:
+            return self.empty_outputs(x)
+        try:
+            return forward(self, x, *args, **kwargs)
+        except ValueError as err:
+            if not _is_bn_one_value_error(err):
+                raise
+            raise ValueError(self._bn_batch_message(x)) from err
+
+    wrapped._pyramid_guarded = True
+    return wrapped
+
+
 class PyramidBackbone(BaseModule):
     """Base of the 4-stage backbones. Subclasses build `patch_embed` and `layers` then call
     `_init_pyramid`; their `forward` uses `run_block` and `stage_output`."""
@@ -45,18 +117,18 @@ class PyramidBackbone(BaseModule):
     #: the name used in error messages and checkpoint conversion
     arch_name = 'backbone'
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        fwd = cls.__dict__.get('forward')
+        if fwd is not None and not getattr(fwd, '_pyramid_guarded', False):
+            cls.forward = _guard_forward(fwd)
+
     def _init_pyramid(self, in_channels, stage_channels, out_indices, frozen_stages, norm_eval, with_cp,
                       out_norm_cfg):
         self.in_channels = in_channels
         self.num_stages = len(stage_channels)
         self.stage_channels = list(stage_channels)
-        if isinstance(out_indices, int):
-            out_indices = [out_indices]
-        out_indices = [i + self.num_stages if i < 0 else i for i in out_indices]
-        for i in out_indices:
-            if not 0 <= i < self.num_stages:
-                raise ValueError(f'{type(self).__name__}: out_indices {out_indices} must lie in '
-                                 f'[0, {self.num_stages})')
+        out_indices = normalize_out_indices(out_indices, self.num_stages, type(self).__name__)
         if not -1 <= frozen_stages <= self.num_stages:
             raise ValueError(f'{type(self).__name__}: frozen_stages={frozen_stages} must lie in '
                              f'[-1, {self.num_stages}]')
@@ -77,9 +149,43 @@ class PyramidBackbone(BaseModule):
         return [self.stage_channels[i] for i in self.out_indices]
 
     def check_input(self, x):
-        if x.dim() != 4 or x.shape[1] != self.in_channels:
-            raise ValueError(f'{type(self).__name__} expects images (B, {self.in_channels}, H, W), '
-                             f'got a tensor of shape {tuple(x.shape)}')
+        if not torch.is_tensor(x) or x.dim() != 4 or x.shape[1] != self.in_channels:
+            got = f'a tensor of shape {tuple(x.shape)}' if torch.is_tensor(x) else f'a {type(x).__name__}'
+            raise ValueError(f'{type(self).__name__} expects images (B, {self.in_channels}, H, W), got {got}')
+        if x.shape[0] and (x.shape[2] == 0 or x.shape[3] == 0):
+            raise ValueError(f'{type(self).__name__}: images of size {x.shape[2]}x{x.shape[3]} have no '
+                             f'pixels; H and W must be at least 1')
+
+    @torch.no_grad()
+    def output_shapes(self, x):
+        """The (C, h, w) of each returned map for images the size of `x`, found by running one blank
+        image in eval mode (running statistics are not touched; the train/eval state is restored)."""
+        was_training = self.training
+        try:
+            self.eval()
+            outs = self.forward(x.new_zeros((1, *x.shape[1:])))
+        finally:
+            self.train(was_training)
+        return [tuple(o.shape[1:]) for o in outs]
+
+    def empty_outputs(self, x):
+        """Empty maps (0, C, h, w) of the shapes a batch of images the size of `x` would get."""
+        return tuple(x.new_empty((0, *shape)) for shape in self.output_shapes(x))
+
+    def _bn_batch_message(self, x):
+        """Why a training batch failed in a BatchNorm, which maps were too small, and what works."""
+        b, _, h, w = x.shape
+        try:
+            shapes = self.output_shapes(x[:1])
+            small = [str(i) for i, s in zip(self.out_indices, shapes) if s[1] * s[2] == 1]
+        except Exception:  # noqa: BLE001  (the message must not fail)
+            small = []
+        where = f' (the map of stage {", ".join(small)} is 1x1)' if small else ''
+        return (f'{type(self).__name__}: a BatchNorm in training mode got one value per channel from a batch '
+                f'of {b} image(s) of {h}x{w}{where}; BatchNorm needs more than one value per channel to '
+                f'compute batch statistics. What works: a batch of at least 2 images per GPU, larger '
+                f'images, or norm_eval=True (BatchNorms use their running statistics, e.g. when '
+                f'fine-tuning).')
 
     def run_block(self, block, x, *args):
         """Run one block, through activation checkpointing when `with_cp` and gradients are needed."""
@@ -127,7 +233,7 @@ class PyramidBackbone(BaseModule):
                                  f'`checkpoint` path')
             logger = MMLogger.get_current_instance()
             load_pretrained(self, cfg['checkpoint'], self.convert_state_dict,
-                            prefix=cfg.get('prefix'), logger=logger)
+                            prefix=cfg.get('prefix'), logger=logger, strict=cfg.get('strict', True))
             print_log(f'{type(self).__name__}: loaded pretrained weights from {cfg["checkpoint"]}',
                       logger=logger)
             self._is_init = True

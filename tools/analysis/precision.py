@@ -7,7 +7,7 @@ half-precision weights, gradients under autocast (see mmplugin_l2/analysis/preci
 
 Random weights (seeded; norms, biases and BatchNorm statistics randomised too, as in the benchmark's
 parity check), eval mode, batch 2 (only the batch check uses the second image). With --authors-code the
-fp64 and batch checks also run on the authors' implementation of each model, for comparison (and ours is
+fp64, batch and autocast checks also run on the authors' implementation of each model, for comparison (and ours is
 built in the configuration that computes their function, e.g. ResT with norm_in_path=True).
 """
 import argparse
@@ -20,6 +20,8 @@ from mmplugin_l2.analysis import authors as authors_mod
 from mmplugin_l2.analysis.benchmark import MODELS, build, parse_size
 from mmplugin_l2.analysis.precision import CHECKS, run_checks
 
+#: the checks also run on the authors' models (their code under autocast, as AMP users would run it)
+AUTHORS_CHECKS = ('fp64', 'batch', 'bf16', 'fp16')
 EXTRA = {'vit3_t': dict(type='ViT3', arch='tiny', drop_path_rate=0.)}
 
 
@@ -57,7 +59,7 @@ def main(argv=None):
                 def theirs(name=name, family=family):
                     torch.manual_seed(args.seed)
                     return authors_mod.randomize_(authors_mod.build(name, roots[family]), seed=1)
-                entries.append((name + '@authors', theirs, [c for c in args.checks if c in ('fp64', 'batch')]))
+                entries.append((name + '@authors', theirs, [c for c in args.checks if c in AUTHORS_CHECKS]))
             for label, make, checks in entries:
                 torch.manual_seed(args.seed)
                 model = make().to(args.device)

@@ -55,17 +55,13 @@ import torch
 import torch.nn as nn
 
 from .cpe import map_to_tokens, tokens_to_map
+from .dtypes import autocast_off, compute_dtype
 
 #: default size limit of an attention map held at once: 2**22 entries = 16 MiB in fp32
 DEFAULT_CHUNK_ELEMS = 2 ** 22
 
 #: logits above this are shifted down per row before exp (exact: softmax is shift-invariant)
 _EXP_LIMIT = 64.0
-
-
-def compute_dtype(t):
-    """fp32 for fp16 / bf16 tensors, else the tensor's own dtype: the dtype of the map's elementwise part."""
-    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
 
 
 def centred_keys(k, bias=None):
@@ -140,7 +136,7 @@ def _apply(a, v, scale=None):
 def naive_emsa_attention(q, k, v, scale, transform_conv=None, eps=1e-5, attn_drop=None):
     """The dense path: the whole (B, h, N, N') map at once. Without autograd its elementwise steps run in
     place (the map is 280 MB in stage 1 at 800 x 1344)."""
-    with _no_autocast(q):
+    with autocast_off(q.device.type):
         if transform_conv is None:
             a = softmax_map(q, centred_keys(k), scale)
             if attn_drop is not None:
@@ -152,22 +148,6 @@ def naive_emsa_attention(q, k, v, scale, transform_conv=None, eps=1e-5, attn_dro
         if attn_drop is not None:
             return _apply(attn_drop(g * r), v)
         return _apply(g, v, r)
-
-
-class _no_autocast:
-    """Autocast off for the device of `t` (the dtypes are explicit inside), a no-op where it has none."""
-
-    def __init__(self, t):
-        dev = t.device.type
-        self.ctx = torch.autocast(dev, enabled=False) if dev in ('cpu', 'cuda', 'xpu', 'mps') else None
-
-    def __enter__(self):
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            return self.ctx.__exit__(*exc)
 
 
 class ChunkedEMSAAttention(torch.autograd.Function):
@@ -183,7 +163,7 @@ class ChunkedEMSAAttention(torch.autograd.Function):
         n, n_keys = q.shape[2], kc.shape[2]
         blocks = [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
         r = None
-        with _no_autocast(q):
+        with autocast_off(q.device.type):
             if weight is None:
                 out = torch.cat([_apply(softmax_map(q[:, :, b], kc, scale), v) for b in blocks], dim=2)
             else:
@@ -212,7 +192,7 @@ class ChunkedEMSAAttention(torch.autograd.Function):
             mean_daa = ((dout.to(cdt) * out.to(cdt)).sum(dim=(2, 3)) / count)[..., None, None]
         kd = kc.detach().requires_grad_(need_k)
         wd = weight.detach().requires_grad_(need_w) if weight is not None else None
-        with _no_autocast(q):
+        with autocast_off(q.device.type):
             for b in ctx.blocks:
                 with torch.enable_grad():
                     qb = q[:, :, b].detach().requires_grad_(need_q)

@@ -27,13 +27,8 @@ import torch.nn as nn
 
 from .conv import Conv2dCL
 from .cpe import map_to_tokens, tokens_to_map
+from .dtypes import autocast_off as _autocast_off
 from .mlp import gelu
-
-
-def _autocast_off(device_type):
-    if torch.amp.is_autocast_available(device_type):
-        return torch.autocast(device_type=device_type, enabled=False)
-    return contextlib.nullcontext()  # e.g. the meta device
 
 
 class LinearAttention(nn.Module):

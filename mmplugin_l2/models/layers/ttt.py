@@ -19,14 +19,13 @@ Speed and memory (same maths as the authors' code, outputs equal to rounding):
 * in training, `TTTCore` (an autograd Function) keeps only the fused qkv tensor for backward and
   recomputes the inner-model intermediates there, instead of storing ~10 (B, N, C) temporaries per block.
 """
-import contextlib
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from mmengine.model.weight_init import trunc_normal_
 
 from .cpe import check_token_count
+from .dtypes import HALF_DTYPES, autocast_off, autocasts_to
 from .rope import apply_rope
 
 
@@ -64,22 +63,10 @@ def token_sum_matmul(kt, a):
     """kt @ a, a sum over all N tokens (kt (..., d, N), a (..., N, 2d)). In fp16 (autocast or half
     weights) the sum can exceed fp16's range (65504) at detection sizes, so it runs in fp32 with autocast
     off; bf16 has fp32's range and stays as it is."""
-    if torch.float16 not in (kt.dtype, a.dtype) and not _autocast_to(kt, torch.float16):
+    if torch.float16 not in (kt.dtype, a.dtype) and not autocasts_to(kt, torch.float16):
         return kt @ a
-    with _autocast_off(kt.device.type):
+    with autocast_off(kt.device.type):
         return kt.float() @ a.float()
-
-
-def _autocast_to(t, dtype):
-    dev = t.device.type
-    return (torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
-            and torch.get_autocast_dtype(dev) == dtype)
-
-
-def _autocast_off(device_type):
-    if torch.amp.is_autocast_available(device_type):
-        return torch.autocast(device_type=device_type, enabled=False)
-    return contextlib.nullcontext()  # e.g. the meta device
 
 
 def _fast_weights(w12, k):
@@ -129,7 +116,7 @@ def dwconv_inner_grad(k, v, scale):
     """
     b, h, w, c = k.shape
     kp = F.pad(k, (0, 0, 1, 1, 1, 1))
-    acc = torch.float32 if k.dtype in (torch.float16, torch.bfloat16) else None  # fp16 range: sums over H*W
+    acc = torch.float32 if k.dtype in HALF_DTYPES else None  # fp16 range: sums over H*W
     g = torch.stack([(kp[:, dy:dy + h, dx:dx + w] * v).sum(dim=(1, 2), dtype=acc)
                      for dy in range(3) for dx in range(3)], dim=-1)
     g = (g * (-scale / float(h * w))).reshape(b * c, 1, 3, 3)

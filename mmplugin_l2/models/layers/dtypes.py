@@ -1,0 +1,27 @@
+"""Dtype mechanics shared by the layers that pick their own precision under autocast / half weights
+(docs/mixed_precision.md)."""
+import contextlib
+
+import torch
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def autocast_off(device_type):
+    """Autocast disabled for `device_type` (the dtypes are explicit inside); a no-op where the device has no
+    autocast (e.g. meta)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def compute_dtype(t):
+    """fp32 for fp16 / bf16 tensors, else the tensor's own dtype."""
+    return torch.float32 if t.dtype in HALF_DTYPES else t.dtype
+
+
+def autocasts_to(t, dtype):
+    """Whether autocast on `t`'s device is on and casts to `dtype`."""
+    dev = t.device.type
+    return (torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
+            and torch.get_autocast_dtype(dev) == dtype)
