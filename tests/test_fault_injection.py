@@ -99,8 +99,8 @@ def error_lines(stderr):
 def l2vit_classifier_checkpoint(path):
     from mmpretrain.registry import MODELS
     import mmpretrain.models  # noqa: F401
-    model = MODELS.build(dict(
-        type='ImageClassifier',
+    model = MODELS.build(dict(  # _scope_: an earlier test may have left another default scope
+        _scope_='mmpretrain', type='ImageClassifier',
         backbone=dict(type='L2ViT', arch=TINY_L2VIT, out_indices=(3,), final_norm=True),
         neck=dict(type='GlobalAveragePooling'),
         head=dict(type='LinearClsHead', num_classes=5, in_channels=64)))
