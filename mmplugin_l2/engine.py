@@ -88,7 +88,7 @@ def check_data(cfg, loaders):
                         f'{DATA_HELP[cfg.default_scope]}: download it there or point the config at '
                         f'it, e.g. --cfg-options {name}.dataset.data_root=/path/to/data/\n  To try '
                         f'the model without the real data, generate the demo data and run the demo: '
-                        f'python tools/make_demo_data.py && bash tools/demo.sh  (see README, "Demo")')
+                        f'python tools/make_demo_data.py && bash tools/demo.sh  (docs/get_started.md, "Demo")')
 
 
 def check_pretrained(cfg):
@@ -99,7 +99,7 @@ def check_pretrained(cfg):
         if '://' not in path and not osp.isfile(path):
             raise FileNotFoundError(
                 f'pretrained backbone weights not found: {path!r} (model.backbone.init_cfg).\n  Put the '
-                f'authors\' ImageNet checkpoint there (tools/convert_checkpoint.py converts it, see README), '
+                f'authors\' ImageNet checkpoint there (tools/convert_checkpoint.py converts it; docs/get_started.md), '
                 f'or train from scratch with --cfg-options model.backbone.init_cfg=None')
 
 

@@ -1,5 +1,5 @@
 """The H-ViT3 / ViT3 configs under configs/: their settings against the authors' recipes
-(shared/reference/hvit3.md sections 4-5), model builds (pretrained init disabled), one tensor-mode forward
+(docs/hvit3.md (Recipes)), model builds (pretrained init disabled), one tensor-mode forward
 per T config, optimiser parameter groups, the ImageNet lr curve and the train/test pipelines."""
 import copy
 import functools
@@ -13,11 +13,13 @@ from mmengine.dataset import Compose
 from mmengine.optim import build_optim_wrapper
 from mmengine.registry import PARAM_SCHEDULERS, init_default_scope
 
-from config_helpers import load, registries
+import os.path as osp
+
+from config_helpers import CFG_ROOT, load, registries
 
 HVIT3_DIMS = {'t': [64, 128, 320, 512], 's': [64, 128, 320, 512], 'b': [96, 192, 448, 640]}
 ARCH = {'t': 'tiny', 's': 'small', 'b': 'base'}
-# exact parameter counts measured on the authors' code (reference section 7): dense-prediction backbone
+# exact parameter counts measured on the authors' code (docs/hvit3.md, Architecture): dense-prediction backbone
 # (with the four output LayerNorms) and the full classifiers
 DET_BACKBONE_PARAMS = {'t': 28_191_584, 's': 53_850_080, 'b': 93_729_776}
 HVIT3_CLS_PARAMS = {'t': 28_703_560, 's': 54_362_056, 'b': 94_369_304}
@@ -25,9 +27,11 @@ VIT3_CLS_PARAMS = {'t': 6_149_416, 's': 23_799_400, 'b': 90_055_912}
 VIT3_DIM = {'t': 192, 's': 384, 'b': 768}
 
 DET = {f'mmdet/mask_rcnn_hvit3_{s}_{k}.py': (s, k) for k in ('1x', '3x') for s in 'tsb'}
+# RetinaNet: our settings (the authors publish none), L2ViT's RetinaNet recipe (docs/hvit3.md, Recipes)
+RETINA = {f'mmdet/retinanet_hvit3_{s}_{k}.py': (s, k) for k in ('1x', '3x') for s in 'tsb'}
 SEG = {f'mmseg/upernet_hvit3_{s}_512x512_160k_ade20k.py': s for s in 'tsb'}
 CLS = {f'mmpretrain/{net}_{s}_in1k.py': (net, s) for net in ('hvit3', 'vit3') for s in 'tsb'}
-ALL = [*DET, *SEG, *CLS]
+ALL = [*DET, *SEG, *CLS]  # RETINA has its own tests below
 
 # SyncBN (kept in the seg configs, as the authors) cannot run in a single CPU process
 SEG_BN = {'model.decode_head.norm_cfg': dict(type='BN', requires_grad=True),
@@ -35,6 +39,8 @@ SEG_BN = {'model.decode_head.norm_cfg': dict(type='BN', requires_grad=True),
 
 
 def size_of(rel):
+    if rel in RETINA:
+        return RETINA[rel][0]
     return SEG[rel] if rel in SEG else (DET[rel][0] if rel in DET else CLS[rel][1])
 
 
@@ -258,6 +264,54 @@ def test_build_and_forward(rel):
         else:
             out = model(x, mode='tensor')
             assert tuple(out.shape) == (1, 1000) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize('rel', list(RETINA))
+def test_retinanet_settings(rel):
+    """Our H-ViT3 RetinaNet: L2ViT's RetinaNet recipe (stages 2-4, P6/P7 on C5, AdamW 1e-4 on every parameter,
+    fp32, warm-up 500, multi-scale + crop) with the H-ViT3 Mask R-CNN backbone settings."""
+    size, sched = RETINA[rel]
+    cfg = load(rel)
+    assert cfg.custom_imports == dict(imports=['mmplugin_l2'], allow_failed_imports=False)
+    assert cfg.default_scope == 'mmdet'
+    m = cfg.model
+    assert m.type == 'RetinaNet'
+    bb = m.backbone
+    assert bb.type == 'HViT3' and bb.arch == ARCH[size] and 'depth' not in bb, 'ResNet/L2ViT keys leaked'
+    assert tuple(bb.out_indices) == (1, 2, 3) and bb.with_cp is True
+    assert bb.drop_path_rate == pytest.approx(0.1 if sched == '1x' else {'t': .3, 's': .4, 'b': .6}[size])
+    assert bb.init_cfg == dict(type='Pretrained', checkpoint=f'data/pretrained/H-ViTTT-{size.upper()}.pth')
+    n = m.neck
+    assert list(n.in_channels) == HVIT3_DIMS[size][1:]
+    assert (n.start_level, n.add_extra_convs, n.num_outs) == (0, 'on_input', 5)
+    ref = load(f'mmdet/retinanet_l2vit_t_{sched}.py')  # the recipe followed
+    for key in ('optim_wrapper', 'param_scheduler', 'train_pipeline', 'auto_scale_lr'):
+        assert cfg[key] == ref[key], key
+    assert cfg.optim_wrapper.type == 'OptimWrapper' and cfg.optim_wrapper.optimizer.lr == 1e-4
+    assert cfg.train_cfg.max_epochs == (12 if sched == '1x' else 36)
+    assert cfg.train_dataloader.batch_size == 2
+    text = open(osp.join(CFG_ROOT, rel)).read()
+    assert 'our' in text.lower(), 'the config must say that its settings are ours'
+
+
+@pytest.mark.parametrize('rel', list(RETINA))
+def test_retinanet_build(rel):
+    cfg, model = build_model(rel)
+    size = RETINA[rel][0]
+    bb = model.backbone
+    assert bb.out_channels == list(model.neck.in_channels) == HVIT3_DIMS[size][1:]
+    # the dense-prediction backbone without norm0 (LayerNorm of width dims[0]: 2 x dims[0] parameters)
+    assert n_params(bb) == DET_BACKBONE_PARAMS[size] - 2 * HVIT3_DIMS[size][0]
+    if size != 't':
+        return
+    model.eval()
+    with torch.no_grad():
+        x = torch.rand(1, 3, 128, 128)
+        feats = model.extract_feat(x)
+        assert [tuple(f.shape) for f in feats] == [(1, 256, 128 // s, 128 // s) for s in (8, 16, 32, 64, 128)]
+        cls_scores, bbox_preds = model(x, mode='tensor')
+        assert cls_scores[0].shape == (1, 9 * 80, 16, 16) and bbox_preds[0].shape == (1, 36, 16, 16)
+        assert all(torch.isfinite(c).all() for c in cls_scores)
 
 
 OPTIM_CASES = ['mmdet/mask_rcnn_hvit3_t_1x.py', 'mmseg/upernet_hvit3_t_512x512_160k_ade20k.py',

@@ -1,5 +1,5 @@
-"""The L2ViT configs under configs/: settings against the authors' recipes (shared/reference/l2vit.md sections
-5-6), builds (pretrained init disabled; the T-1x ones for real with a forward, the others on the meta device),
+"""The L2ViT configs under configs/: settings against the authors' recipes (docs/l2vit.md, Recipes),
+builds (pretrained init disabled; the T-1x ones for real with a forward, the others on the meta device),
 parameter counts, weight-decay groups, and real training iterations through tools/train.py (RetinaNet, UperNet,
 classifier) plus tools/test.py (RetinaNet, UperNet) on generated data."""
 import copy
@@ -18,7 +18,7 @@ from conftest import ROOT, TINY_L2VIT  # noqa: E402
 DIMS = {'t': [96, 192, 384, 768], 's': [96, 192, 384, 768], 'b': [128, 256, 512, 1024]}
 ARCH = {'t': 'tiny', 's': 'small', 'b': 'base'}
 FILE = {'t': 'Tiny', 's': 'Small', 'b': 'Base'}
-# official counts (reference section 8): dense-prediction backbone with norm0-3; classifiers
+# official counts (docs/l2vit.md, Architecture): dense-prediction backbone with norm0-3; classifiers
 DET_BACKBONE_PARAMS = {'t': 27_829_125, 's': 49_431_501, 'b': 87_553_980}
 CLS_PARAMS = {'t': 28_596_781, 's': 50_199_157, 'b': 88_577_188}
 # the norm{i} of the returned stages only: RetinaNet drops norm0 (dims[0] weights + biases)

@@ -1,5 +1,5 @@
-"""The ResT configs under configs/: their settings against the authors' recipes (shared/reference/rest.md
-sections 4-5), model builds (pretrained init disabled) with parameter counts, a forward of the small configs,
+"""The ResT configs under configs/: their settings against the authors' recipes (docs/rest.md, Recipes),
+model builds (pretrained init disabled) with parameter counts, a forward of the small configs,
 optimiser parameter groups, the detection train pipeline, and one real training iteration through
 tools/train.py on generated data for Mask R-CNN, UperNet and the ImageNet classifier."""
 import copy
@@ -21,7 +21,7 @@ from conftest import ROOT, TINY_REST
 SIZES = ('lite', 's', 'b', 'l')
 ARCH = {'lite': 'lite', 's': 'small', 'b': 'base', 'l': 'large'}
 DIMS = {'lite': [64, 128, 256, 512], 's': [64, 128, 256, 512], 'b': [96, 192, 384, 768], 'l': [96, 192, 384, 768]}
-# the authors' classification models, measured on their code (reference sections 1 and 7)
+# the authors' classification models, measured on their code (docs/rest.md, Architecture)
 CLS_PARAMS = {'lite': 10_508_300, 's': 13_679_708, 'b': 30_327_052, 'l': 51_676_156}
 DET_DROP_PATH = {'lite': 0.1, 's': 0.1, 'b': 0.2, 'l': 0.2}   # the authors' detection backbone
 CLS_DROP_PATH = {'lite': 0.1, 's': 0.1, 'b': 0.2, 'l': 0.3}   # the paper's classification values

@@ -60,7 +60,7 @@ def real_tiny():
 
 
 def test_real_tiny_width_shapes_at_odd_size(real_tiny):
-    """The authors' measured map sizes for DET-T at 250 x 330 (reference section 4)."""
+    """The authors' measured map sizes for DET-T at 250 x 330 (docs/l2vit.md, Arguments)."""
     m = real_tiny.eval()
     with torch.no_grad():
         outs = m(torch.randn(1, 3, 250, 330))
@@ -121,7 +121,7 @@ def test_state_dict_has_the_authors_layout(real_tiny):
 @pytest.mark.parametrize('arch,det,cls', [('tiny', 27_829_125, 28_596_781), ('small', 49_431_501, 50_199_157),
                                           ('base', 87_553_980, 88_577_188), ('base-384', 87_553_980, 88_577_188)])
 def test_param_counts(arch, det, cls):
-    """Official counts (reference section 8): dense-prediction backbone with norm0-3; classifier = backbone
+    """Official counts (docs/l2vit.md, Architecture): dense-prediction backbone with norm0-3; classifier = backbone
     with the final norm on stage 3 + 1000-way linear head."""
     with torch.device('meta'):
         assert n_params(L2ViT(arch=arch)) == det

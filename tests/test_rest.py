@@ -14,7 +14,7 @@ from conftest import ROOT, TINY_REST, saved_for_backward
 from mmplugin_l2 import ResT
 from mmplugin_l2.models.layers import EMSA, ChunkedEMSAAttention, emsa_attention, naive_emsa_attention
 
-# the authors' classification models (reference section 7): total parameters incl. the 1000-way head
+# the authors' classification models (docs/rest.md, Architecture): total parameters incl. the 1000-way head
 CLS_PARAMS = {'lite': 10_508_300, 'small': 13_679_708, 'base': 30_327_052, 'large': 51_676_156}
 C4 = {'lite': 512, 'small': 512, 'base': 768, 'large': 768}
 DIMS = {'lite': [64, 128, 256, 512], 'small': [64, 128, 256, 512], 'base': [96, 192, 384, 768],
@@ -74,7 +74,7 @@ def test_out_indices_and_out_channels():
 
 # ---------------------------------------------------------------- EMSA
 def slow_emsa(m, x, hw):
-    """EMSA written out from the spec (reference section 2), one image and one head at a time."""
+    """EMSA written out from the spec (docs/rest.md, Architecture), one image and one head at a time."""
     b, n, c = x.shape
     h = m.num_heads
     d = c // h
@@ -383,7 +383,7 @@ def test_arch_errors():
 
 # ---------------------------------------------------------------- the authors' checkpoints
 def authors_layout(sd, c4, head=True):
-    """Our state dict -> the authors' classification keys (reference section 3), written independently of
+    """Our state dict -> the authors' classification keys (docs/rest.md), written independently of
     ResT.convert_state_dict."""
     out = {}
     for k, v in sd.items():
@@ -411,7 +411,7 @@ def randomised(m):
 
 
 def test_authors_layout_key_names_and_counts():
-    """Key names and counts of the authors' checkpoints (reference section 3: Small 274, Lite 194,
+    """Key names and counts of the authors' checkpoints (docs/rest.md, Architecture: Small 274, Lite 194,
     Large 514 keys), produced from our layout."""
     for arch, count in (('small', 274), ('lite', 194), ('large', 514)):
         with torch.device('meta'):

@@ -2,7 +2,8 @@
 # Installs the stack mmplugin_l2 is tested on, then the plugin itself (editable).
 #
 #   torch 2.14.1 / torchvision 0.29.1 (a torch you already have is kept), mmengine 0.10.7,
-#   mmcv 2.1.0 with compiled ops, mmdet 3.3.0, mmsegmentation 1.2.2, mmpretrain 1.2.0, pycocotools.
+#   mmcv 2.1.0 with compiled ops, mmdet 3.3.0, mmsegmentation 1.2.2, mmpretrain 1.2.0, pycocotools,
+#   onnx / onnxruntime / onnxscript (ONNX export), pyyaml.
 #
 # mmcv 2.1.0 has no wheel for current torch on PyPI, so pip builds it from source (~20-30 min on 2 cores).
 # The build needs: no build isolation (it imports torch), MMCV_WITH_OPS=1, setuptools that still ships
@@ -17,7 +18,7 @@ if ! $PY -c "import torch, torchvision" 2>/dev/null; then
   $PY -m pip install torch==2.14.1 torchvision==0.29.1
 fi
 $PY -m pip install 'setuptools>=77.0.3,<82' wheel ninja 'numpy>=2' 'mmengine==0.10.7' pycocotools ftfy regex \
-  scipy shapely terminaltables matplotlib pytest
+  scipy shapely terminaltables matplotlib pytest pyyaml
 
 if ! $PY -c "import mmcv, mmcv.ops; assert mmcv.__version__ == '2.1.0'" 2>/dev/null; then
   wrap=$(mktemp -d)
@@ -27,5 +28,7 @@ if ! $PY -c "import mmcv, mmcv.ops; assert mmcv.__version__ == '2.1.0'" 2>/dev/n
     $PY -m pip install --no-build-isolation 'mmcv==2.1.0'
 fi
 $PY -m pip install 'mmdet==3.3.0' 'mmsegmentation==1.2.2' 'mmpretrain==1.2.0'
+# ONNX export and its checks (tools/deployment/, docs/deployment.md)
+$PY -m pip install onnx onnxruntime onnxscript
 $PY -m pip install --no-build-isolation --no-deps -e "$here"
 $PY -c "import mmcv.ops, mmdet, mmseg, mmpretrain, mmplugin_l2; print('mmplugin_l2 stack OK: torch', __import__('torch').__version__, 'mmcv', mmcv.__version__)"

@@ -42,7 +42,9 @@ test_evaluator = val_evaluator
 # schedule: a few epochs of 50 iterations, short warm-up, fp32 on CPU
 max_epochs = 4
 train_cfg = dict(max_epochs=max_epochs, val_interval=max_epochs)
-optim_wrapper = dict(optimizer=dict(lr=4e-4))  # AmpOptimWrapper: tools/train.py trains fp32 on CPU
+# fp32 OptimWrapper instead of the full config's AmpOptimWrapper, so that the stock tools (mmdet/mmseg
+# tools/train.py, `mim train`) run the demo on a CPU with no extra flag; on a GPU pass --amp for AMP.
+optim_wrapper = dict(type='OptimWrapper', optimizer=dict(lr=4e-4))
 param_scheduler = [
     dict(type='LinearLR', start_factor=0.01, by_epoch=False, begin=0, end=50),
     dict(type='MultiStepLR', begin=0, end=max_epochs, by_epoch=True, milestones=[3], gamma=0.1),

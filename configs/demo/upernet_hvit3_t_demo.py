@@ -4,7 +4,8 @@
 _base_ = '../mmseg/upernet_hvit3_t_512x512_160k_ade20k.py'
 
 data_root = 'data/demo/ade/ADEChallengeData2016'
-metainfo = dict(classes=('circle', 'rectangle', 'triangle'))
+metainfo = dict(classes=('circle', 'rectangle', 'triangle'),
+                palette=[[220, 20, 60], [0, 128, 255], [255, 200, 0]])  # declared for mmseg's browse_dataset
 crop_size = (128, 128)
 
 model = dict(
@@ -41,7 +42,9 @@ val_dataloader = dict(
 test_dataloader = val_dataloader
 
 max_iters = 400
-optim_wrapper = dict(optimizer=dict(lr=2e-4))  # AmpOptimWrapper: tools/train.py trains fp32 on CPU
+# fp32 OptimWrapper instead of the full config's AmpOptimWrapper, so that the stock tools (mmdet/mmseg
+# tools/train.py, `mim train`) run the demo on a CPU with no extra flag; on a GPU pass --amp for AMP.
+optim_wrapper = dict(type='OptimWrapper', optimizer=dict(lr=2e-4))
 param_scheduler = [
     dict(type='LinearLR', start_factor=0.01, by_epoch=False, begin=0, end=20),
     dict(type='PolyLR', eta_min=0.0, power=1.0, begin=20, end=max_iters, by_epoch=False),

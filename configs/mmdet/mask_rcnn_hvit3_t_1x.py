@@ -1,6 +1,6 @@
 # Mask R-CNN FPN with an H-ViT3-T backbone on COCO, 1x schedule (12 epochs).
 # Follows the authors' detection/configs/vittt/vittt_t_mrcnn_1x.py (Liyining-ai/ViTTT, mmdet 3.3.0);
-# see shared/reference/hvit3.md section 4. The S/B and 3x configs inherit this file.
+# see docs/hvit3.md (Recipes). The S/B and 3x configs inherit this file.
 _base_ = [
     'mmdet::_base_/models/mask-rcnn_r50_fpn.py',
     'mmdet::_base_/datasets/coco_instance.py',

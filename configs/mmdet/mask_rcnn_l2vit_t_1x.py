@@ -1,6 +1,6 @@
 # Mask R-CNN FPN with an L2ViT-T backbone on COCO, 1x schedule (12 epochs).
 # Follows the authors' object_detection/configs/L2ViT/maskrcnn_1x_l2vit_v0_tiny_coco.py (ChuanyangZheng/L2ViT,
-# mmdet 2.23) in mmdet 3.x form; see shared/reference/l2vit.md section 5. The other Mask R-CNN L2ViT configs
+# mmdet 2.23) in mmdet 3.x form; see docs/l2vit.md (Recipes). The other Mask R-CNN L2ViT configs
 # inherit this file.
 _base_ = [
     'mmdet::_base_/models/mask-rcnn_r50_fpn.py',

@@ -1,6 +1,6 @@
 # Mask R-CNN FPN with a ResT-Small backbone on COCO, 1x schedule (12 epochs).
 # The authors' detectron2 recipe (wofmanaf/ResT object_detection/configs/Base-RCNN-FPN.yaml +
-# ResTv1/mask_rcnn_rest_small_FPN_1x.yaml) in mmdet 3.x terms; see shared/reference/rest.md section 4.
+# ResTv1/mask_rcnn_rest_small_FPN_1x.yaml) in mmdet 3.x terms; see docs/rest.md (Recipes).
 # Paper (Tab. 4): 39.6 box AP / 37.2 mask AP, 33.3 M parameters. The other sizes and the 3x configs inherit this.
 _base_ = [
     'mmdet::_base_/models/mask-rcnn_r50_fpn.py',

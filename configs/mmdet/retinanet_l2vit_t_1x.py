@@ -1,6 +1,6 @@
 # RetinaNet FPN with an L2ViT-T backbone on COCO, 1x schedule (12 epochs).
 # Follows the authors' object_detection/configs/L2ViT/retinanet_1x_l2vit_v0_tiny_coco.py (ChuanyangZheng/L2ViT,
-# mmdet 2.23) in mmdet 3.x form; see shared/reference/l2vit.md section 5. The other RetinaNet L2ViT configs
+# mmdet 2.23) in mmdet 3.x form; see docs/l2vit.md (Recipes). The other RetinaNet L2ViT configs
 # inherit this file.
 _base_ = [
     'mmdet::_base_/models/retinanet_r50_fpn.py',

@@ -1,6 +1,6 @@
 # RetinaNet FPN with a ResT-Small backbone on COCO, 1x schedule (12 epochs).
 # The authors' detectron2 recipe (wofmanaf/ResT object_detection/configs/Base-RetinaNet.yaml +
-# ResTv1/retinanet_rest_small_FPN_1x.yaml) in mmdet 3.x terms; see shared/reference/rest.md section 4.
+# ResTv1/retinanet_rest_small_FPN_1x.yaml) in mmdet 3.x terms; see docs/rest.md (Recipes).
 # Paper (Tab. 3): 40.3 AP, 23.4 M parameters. The other sizes and the 3x configs inherit this file.
 _base_ = [
     'mmdet::_base_/models/retinanet_r50_fpn.py',

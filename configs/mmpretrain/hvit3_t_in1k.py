@@ -1,5 +1,5 @@
 # H-ViT3-T on ImageNet-1k from scratch: the authors' recipe (Liyining-ai/ViTTT, vittt/config.py + the
-# h_vittt_tiny yaml, Swin-style trainer, main_ema.py); see shared/reference/hvit3.md section 5.
+# h_vittt_tiny yaml, Swin-style trainer, main_ema.py); see docs/hvit3.md (Recipes).
 # Without MESA: the authors' released H-ViT3 weights are MESA runs (paper: 83.5 top-1 without, 84.0 with).
 # The S/B configs and the ViT3 configs inherit this file.
 _base_ = [

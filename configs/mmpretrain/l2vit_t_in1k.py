@@ -1,5 +1,5 @@
 # L2ViT-T on ImageNet-1k from scratch: the authors' recipe (ChuanyangZheng/L2ViT, ConvNeXt-style trainer
-# classification/main.py + readme command + paper Table 9); see shared/reference/l2vit.md section 6.
+# classification/main.py + readme command + paper Table 9); see docs/l2vit.md (Recipes).
 # The S/B configs inherit this file.
 _base_ = [
     'mmpretrain::_base_/models/swin_transformer/tiny_224.py',  # classifier, label smoothing 0.1, Mixup/CutMix

@@ -1,4 +1,4 @@
-# ResT-Small on ImageNet-1k from scratch; see shared/reference/rest.md section 5. The Lite/Base/Large configs
+# ResT-Small on ImageNet-1k from scratch; see docs/rest.md (Recipes). The Lite/Base/Large configs
 # inherit this file. Paper (Tab. 2): 79.6 top-1, 13.66 M parameters (13,679,708 measured on their code).
 #
 # The paper's recipe, DeiT-style: AdamW, 300 epochs, cosine with 5 warm-up epochs, batch 2048 (8 GPUs x 256),

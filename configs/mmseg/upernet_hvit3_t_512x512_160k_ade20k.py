@@ -1,6 +1,6 @@
 # UperNet with an H-ViT3-T backbone on ADE20K, 512x512 crops, 160k iterations.
 # Follows the authors' segmentation/configs/vittt/vittt_tiny.py (Liyining-ai/ViTTT, mmseg 1.2.2); see
-# shared/reference/hvit3.md section 4. The S/B configs inherit this file.
+# docs/hvit3.md (Recipes). The S/B configs inherit this file.
 #
 # The decode and auxiliary heads keep SyncBN from mmseg's upernet_swin base, as the authors and mmseg's own
 # Swin ADE20K configs do. SyncBN needs a distributed run; for a single-process (e.g. CPU) run override it:

@@ -1,6 +1,6 @@
 # UperNet with an L2ViT-T backbone on ADE20K, 512x512 crops, 160k iterations.
 # Follows the authors' semantic_segmentation/configs/novel/upernet_l2vit_tiny_512x512_160k_ade20k.py
-# (ChuanyangZheng/L2ViT, mmseg 0.26) in mmseg 1.x form; see shared/reference/l2vit.md section 5. The S/B
+# (ChuanyangZheng/L2ViT, mmseg 0.26) in mmseg 1.x form; see docs/l2vit.md (Recipes). The S/B
 # configs inherit this file.
 _base_ = [
     'mmseg::_base_/models/upernet_swin.py',

@@ -1,7 +1,7 @@
 # UperNet with a ResT-Small backbone on ADE20K, 512x512 crops, 160k iterations.
 # The authors publish no ResT v1 segmentation config or result: this follows mmseg 1.x's Swin UperNet 160k
 # recipe (swin-tiny-patch4-window7-in1k-pre_upernet_8xb2-160k_ade20k-512x512.py); see
-# shared/reference/rest.md section 4. The B/L configs inherit this file.
+# docs/rest.md (Recipes). The B/L configs inherit this file.
 #
 # The decode and auxiliary heads keep SyncBN from mmseg's upernet_swin base. SyncBN needs a distributed run;
 # for a single-process (e.g. CPU) run override it:
