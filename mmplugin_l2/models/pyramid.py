@@ -27,6 +27,7 @@ from mmengine.model import BaseModule
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..checkpoint import load_pretrained
+from .layers.export import exporting
 from .layers.recompute import checkpointed
 
 
@@ -82,19 +83,12 @@ def _is_bn_one_value_error(err):
     return isinstance(err, ValueError) and 'Expected more than 1 value per channel' in str(err)
 
 
-def _exporting():
-    """Tracing, scripting, ONNX export or torch.compile / torch.export: no Python-level checks."""
-    compiling = getattr(getattr(torch, 'compiler', None), 'is_compiling', lambda: False)
-    return (torch.jit.is_tracing() or torch.jit.is_scripting() or torch.onnx.is_in_onnx_export()
-            or compiling())
-
-
 def _guard_forward(forward):
     """Wrap a backbone's `forward(x)`: input check, empty batches, BatchNorm batch-size message."""
 
     @functools.wraps(forward)
     def wrapped(self, x, *args, **kwargs):
-        if _exporting():
+        if exporting():  # tracing / export / compile: no Python-level checks on sizes
             return forward(self, x, *args, **kwargs)
         self.check_input(x)
         if x.shape[0] == 0:

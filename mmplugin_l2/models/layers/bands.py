@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .conv import Conv2dCL
+from .export import eager_inference
 
 
 class ConvBNAct(NamedTuple):
@@ -38,7 +39,7 @@ def _geometry(conv):
 
 def can_run_in_bands(layers):
     """True when no autograd is recorded and no BatchNorm of the chain would update its statistics."""
-    return not torch.is_grad_enabled() and all(
+    return eager_inference() and all(
         layer.norm is None or not layer.norm.training for layer in layers)
 
 

@@ -56,12 +56,19 @@ import torch.nn as nn
 
 from .cpe import map_to_tokens, tokens_to_map
 from .dtypes import autocast_off, compute_dtype
+from .export import exporting
 
 #: default size limit of an attention map held at once: 2**22 entries = 16 MiB in fp32
 DEFAULT_CHUNK_ELEMS = 2 ** 22
 
 #: logits above this are shifted down per row before exp (exact: softmax is shift-invariant)
 _EXP_LIMIT = 64.0
+
+
+def _records(t):
+    """Out-of-place ops for `t`: autograd records it, or the model is being exported (no in-place tricks in a
+    traced graph)."""
+    return exporting() or (torch.is_grad_enabled() and t.requires_grad)
 
 
 def centred_keys(k, bias=None):
@@ -80,7 +87,7 @@ def _logits(q, kc, scale, weight):
     compute dtype. Without autograd the scaling and the cast happen in place where they can."""
     s = q @ kc.transpose(-2, -1)
     cdt = compute_dtype(s)
-    records = torch.is_grad_enabled() and (s.requires_grad or (weight is not None and weight.requires_grad))
+    records = _records(s) or (weight is not None and _records(weight))
     if weight is None:
         s = s.to(cdt)
         return s * scale if records else s.mul_(scale)
@@ -92,7 +99,7 @@ def _logits(q, kc, scale, weight):
 def softmax_map(q, kc, scale):
     """Single-head form: softmax((q kc^T) * scale) over the keys, in the compute dtype."""
     s = _logits(q, kc, scale, None)
-    if torch.is_grad_enabled() and s.requires_grad:
+    if _records(s):
         return s.softmax(dim=-1)
     return torch.softmax(s, dim=-1, out=s)
 
@@ -103,7 +110,7 @@ def deviation_map(q, kc, scale, weight):
     docstring). The rows of G sum to zero."""
     t = _logits(q, kc, scale, weight)
     c = (t.detach().amax(dim=-1, keepdim=True) - _EXP_LIMIT).clamp_min_(0)
-    if torch.is_grad_enabled() and t.requires_grad:
+    if _records(t):
         e = torch.expm1(t - c)
         e_mean = e.mean(dim=-1, keepdim=True)
         return (e - e_mean) / (1 + e_mean)

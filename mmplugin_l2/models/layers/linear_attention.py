@@ -28,6 +28,7 @@ import torch.nn as nn
 from .conv import Conv2dCL
 from .cpe import map_to_tokens, tokens_to_map
 from .dtypes import autocast_off as _autocast_off
+from .export import eager_inference
 from .mlp import gelu
 
 
@@ -67,7 +68,7 @@ class LinearAttention(nn.Module):
 
     def forward(self, x):
         b, n, c = x.shape
-        if not torch.is_grad_enabled() and b * n * c > 2 * self.chunk_elems:
+        if eager_inference() and b * n * c > 2 * self.chunk_elems:
             return self._forward_chunks(x)
         qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, c // self.num_heads).permute(2, 0, 3, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .conv import Conv2dCL
+from .export import eager_inference
 from .cpe import tokens_conv
 from .recompute import checkpointed
 
@@ -44,7 +45,7 @@ class ConvMlp(nn.Module):
 
     def _forward(self, x, hw_shape):
         hidden_elems = x.shape[0] * x.shape[1] * self.fc1.out_features
-        if not torch.is_grad_enabled() and hidden_elems > 2 * self.chunk_elems:
+        if eager_inference() and hidden_elems > 2 * self.chunk_elems:
             return self._forward_bands(x, hw_shape)
         x = self.drop(gelu(self.fc1(x)))
         x = gelu(tokens_conv(self.dwc, x, hw_shape).add_(x))   # conv(x) + x: the conv keeps no output
@@ -71,7 +72,7 @@ class ConvMlp(nn.Module):
 
 def gelu(x):
     """Exact GELU; in place when no gradient is being recorded (its backward would need the input)."""
-    return torch.ops.aten.gelu_(x) if not torch.is_grad_enabled() else F.gelu(x)
+    return torch.ops.aten.gelu_(x) if eager_inference() else F.gelu(x)
 
 
 class Mlp(nn.Module):
@@ -93,7 +94,7 @@ class Mlp(nn.Module):
 
     def _forward(self, x):
         n = x.shape[1]
-        if torch.is_grad_enabled() or n <= 2 * self.chunk_tokens:
+        if not eager_inference() or n <= 2 * self.chunk_tokens:
             return self.drop(self.fc2(self.drop(gelu(self.fc1(x)))))
         # Inference on large maps: the (B, chunk, rC) hidden activation stays in cache instead of a
         # (B, N, rC) temporary (80-120 MB in stage 1 at 800 x 1344). Rows are independent, so the

@@ -8,6 +8,8 @@ any size; the parameters are `pa_conv.{weight,bias}`, the authors' key names.
 import torch
 import torch.nn as nn
 
+from .export import eager_inference
+
 
 class PA(nn.Module):
 
@@ -17,6 +19,6 @@ class PA(nn.Module):
 
     def forward(self, x):
         gate = self.pa_conv(x)
-        if torch.is_grad_enabled():
+        if not eager_inference():
             return x * torch.sigmoid(gate)
         return gate.sigmoid_().mul_(x)   # no autograd: in place, same values

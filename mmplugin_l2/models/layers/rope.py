@@ -12,12 +12,26 @@ real-valued form re*cos - im*sin, im*cos + re*sin.
 """
 import torch
 
+from .export import exporting
+
+
+def _angles(n, theta):
+    return torch.arange(n, device=theta.device, dtype=theta.dtype).unsqueeze(-1) * theta
+
 
 def rope_tables(h, w, c, device=None, base=10000):
-    """Complex rotation table cos + i*sin of shape (h*w, c/2), complex64, never requiring grad."""
+    """Complex rotation table cos + i*sin of shape (h*w, c/2), complex64, never requiring grad. While
+    exporting (`layers/export.py`) the real pair (cos, sin), each (h*w, c/2) fp32: ONNX has no complex
+    tensors."""
     if c % 4:
         raise ValueError(f'2-D RoPE needs a channel count divisible by 4, got {c}')
     k_max = c // 4
+    if exporting():
+        theta = 1 / (base ** (torch.arange(k_max, device=device, dtype=torch.float32) / k_max))
+        rows, cols = _angles(h, theta), _angles(w, theta)        # (h, k_max), (w, k_max)
+        ang = torch.cat([rows.unsqueeze(1).expand(h, w, k_max), cols.unsqueeze(0).expand(h, w, k_max)],
+                        dim=-1).reshape(h * w, c // 2)
+        return ang.cos(), ang.sin()
     # Built outside inference mode so the table can also serve a later training forward.
     with torch.inference_mode(False), torch.no_grad():
         theta = 1 / (base ** (torch.arange(k_max, device=device) / k_max))
@@ -32,7 +46,14 @@ def apply_rope(x, rot):
     """Rotate interleaved channel pairs of tokens x (B, N, C) by the table `rot` (N, C/2).
 
     Returns fp32 (fp64 for fp64 input). `x` may be a strided channel slice (e.g. of a fused qkv output)
-    as long as its last dimension is contiguous."""
+    as long as its last dimension is contiguous. `rot` may also be the real (cos, sin) pair of
+    `rope_tables` in export mode: the real-valued form re*cos - im*sin, im*cos + re*sin."""
+    if isinstance(rot, tuple):
+        cos, sin = rot
+        x = x.float() if x.dtype != torch.float64 else x
+        pairs = x.unflatten(-1, (-1, 2))
+        re, im = pairs[..., 0], pairs[..., 1]
+        return torch.stack([re * cos - im * sin, im * cos + re * sin], dim=-1).flatten(-2)
     if x.dtype != torch.float64:
         x = x.float()
     else:

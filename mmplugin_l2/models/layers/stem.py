@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from .bands import ConvBNAct, can_run_in_bands, conv_chain_in_bands
 from .conv import ConvLayer
+from .export import exporting
 
 
 def _conv_chain(layers, x, budget, whole=None):
@@ -24,7 +25,7 @@ def pad_to_multiple(x, multiple):
     """Zero-pad an NCHW tensor on the right/bottom so that H and W are multiples of `multiple`."""
     h, w = x.shape[-2:]
     pad_h, pad_w = (-h) % multiple, (-w) % multiple
-    if pad_h or pad_w:
+    if exporting() or pad_h or pad_w:  # exporting: one graph for every size, a zero pad is a no-op
         x = F.pad(x, (0, pad_w, 0, pad_h))
     return x
 
@@ -109,7 +110,7 @@ class ConvDownsample(nn.Module):
 
     def forward(self, x):
         h, w = x.shape[-2:]
-        if h % 2 or w % 2:
+        if exporting() or h % 2 or w % 2:
             x = F.pad(x.permute(0, 2, 3, 1), (0, 0, 0, w % 2, 0, h % 2)).permute(0, 3, 1, 2)
         return _conv_chain(self.conv, x, self.band_elems)
 

@@ -26,6 +26,7 @@ from mmengine.model.weight_init import trunc_normal_
 
 from .cpe import check_token_count
 from .dtypes import HALF_DTYPES, autocast_off, autocasts_to
+from .export import eager_inference, exporting
 from .rope import apply_rope
 
 
@@ -101,7 +102,7 @@ def swiglu_inner_grads(k, v, w1, w2, scale):
     Returns:
         (g1, g2): (B, H, d, d) normalised gradients w.r.t. W1 and W2.
     """
-    g = _swiglu_grad_pair(k, v, torch.cat([w1, w2], dim=-1), scale, fused=not torch.is_grad_enabled())
+    g = _swiglu_grad_pair(k, v, torch.cat([w1, w2], dim=-1), scale, fused=eager_inference())
     return g.chunk(2, dim=-1)
 
 
@@ -279,12 +280,12 @@ class TTTAttention(nn.Module):
     def forward(self, x, hw_shape, rope=None):
         """x: (B, N, C); hw_shape: (H, W); rope: None or the complex table of `rope_tables`."""
         check_token_count(x.shape[1], hw_shape)
-        if not torch.is_grad_enabled():
+        if eager_inference():
             return ttt_inference(x, self.qkv, self.proj, rope, self.w1, self.w2, self.w3, tuple(hw_shape),
                                  self.num_heads, self.scale, self.lr, self.chunk_elems)
         qkv = self.qkv(x)
         args = (qkv, rope, self.w1, self.w2, self.w3, tuple(hw_shape), self.num_heads, self.scale, self.lr)
-        if self.recompute:
+        if self.recompute and torch.is_grad_enabled() and not exporting():
             y = TTTCore.apply(*args)
         else:
             y = ttt_core(*args)

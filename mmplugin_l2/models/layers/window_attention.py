@@ -24,6 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .export import eager_inference, exporting
+
 
 def window_partition(x, window_size):
     """(B, H, W, C) with H, W multiples of w -> (B * H/w * W/w, w*w, C), windows in row-major order."""
@@ -112,16 +114,17 @@ class WindowAttention(nn.Module):
         ws = self.window_size
         x = x.view(b, h, w, c)
         pad_b, pad_r = (-h) % ws, (-w) % ws
-        if pad_b or pad_r:
+        padded = exporting() or pad_b or pad_r   # exporting: one graph for every size (zero pads are no-ops)
+        if padded:
             x = F.pad(x, (0, 0, 0, pad_r, 0, pad_b))
         hp, wp = h + pad_b, w + pad_r
         key_mask = None
-        if self.mask_padding and (pad_b or pad_r):
+        if self.mask_padding and padded:
             key_mask = padding_key_mask((h, w), (hp, wp), ws, x.device).repeat(b, 1)
-        if not torch.is_grad_enabled() and x.numel() > 2 * self.chunk_elems:
+        if eager_inference() and x.numel() > 2 * self.chunk_elems:
             x = self._windows_in_bands(x, key_mask)
         else:
             x = window_reverse(self.attention(window_partition(x, ws), key_mask), ws, hp, wp)
-        if pad_b or pad_r:
+        if padded:
             x = x[:, :h, :w, :]
         return x.reshape(b, h * w, c)

@@ -1,0 +1,87 @@
+"""Export mode (mmplugin_l2/models/layers/export.py, docs/deployment.md): while exporting every layer takes
+its plain formulation (whole maps, out-of-place ops, real-valued RoPE, branch-free padding). It computes
+the same function as the eager inference fast paths (checked here with those paths forced on by tiny
+chunk / band sizes, odd sizes so that padding and partial chunks occur), and it leaves PyTorch: torch.export
+and the ONNX exporter trace it, and ONNX Runtime reproduces the outputs."""
+import numpy as np
+import pytest
+import torch
+
+from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST
+from mmplugin_l2 import HViT3, L2ViT, ResT, ViT3
+from mmplugin_l2.analysis import authors
+from mmplugin_l2.models.layers.export import eager_inference, export_mode, exporting
+
+BUILD = {
+    'hvit3': lambda: HViT3(arch=TINY_HVIT3, drop_path_rate=0.),
+    'vit3': lambda: ViT3(arch=dict(embed_dims=32, num_layers=2, num_heads=2), drop_path_rate=0.),
+    'l2vit': lambda: L2ViT(arch=TINY_L2VIT, drop_path_rate=0.),
+    'l2vit_masked': lambda: L2ViT(arch=TINY_L2VIT, drop_path_rate=0., mask_window_padding=True),
+    'rest': lambda: ResT(arch=TINY_REST, drop_path_rate=0.),
+}
+
+
+def model(name):
+    torch.manual_seed(0)
+    return authors.randomize_(BUILD[name](), seed=1).eval()
+
+
+def force_fast_paths(m):
+    """Tiny chunk / band budgets: every eager inference fast path (token chunks, row bands, window-row bands,
+    chunked MLPs) is taken, with partial last pieces."""
+    for mod in m.modules():
+        for attr, value in (('chunk_elems', 97), ('band_elems', 61), ('chunk_tokens', 5)):
+            if attr in type(mod).__dict__ or attr in vars(mod):
+                if isinstance(getattr(mod, attr), int):
+                    setattr(mod, attr, value)
+    return m
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_export_mode_switch():
+    assert not exporting()
+    with torch.no_grad():
+        assert eager_inference()
+        with export_mode():
+            assert exporting() and not eager_inference()
+            with export_mode():
+                assert exporting()
+            assert exporting()
+    assert not exporting()
+
+
+@pytest.mark.parametrize('name', sorted(BUILD))
+def test_export_mode_equals_eager_fast_paths(name):
+    m = force_fast_paths(model(name))
+    x = torch.randn(2, 3, 75, 97)
+    with torch.no_grad():
+        eager = m(x)
+        with export_mode():
+            plain = m(x)
+    assert len(eager) == len(plain)
+    for a, b in zip(plain, eager):
+        assert a.shape == b.shape and rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize('name', ['hvit3', 'vit3', 'l2vit', 'rest'])
+def test_onnx_export_and_onnxruntime(name, tmp_path):
+    """Static-shape export (dynamo exporter) at an odd size; ONNX Runtime against eager PyTorch. Before
+    export mode H-ViT3 could not be exported (complex RoPE) and ResT's ONNX outputs were 2-10 % off."""
+    import onnxruntime as ort
+    m = model(name)
+    x = torch.randn(1, 3, 70, 90)
+    path = str(tmp_path / f'{name}.onnx')
+    with torch.no_grad():
+        ref = m(x)
+        with export_mode():
+            ep = torch.export.export(m, (x,), strict=False)
+        torch.onnx.export(ep, (x,), path, dynamo=True, verbose=False)
+    sess = ort.InferenceSession(path, providers=['CPUExecutionProvider'])
+    outs = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
+    assert len(outs) == len(ref)
+    for o, r in zip(outs, ref):
+        r = r.numpy()
+        assert o.shape == r.shape and np.abs(o - r).max() / np.abs(r).max() < 1e-5
