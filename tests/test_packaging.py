@@ -81,3 +81,15 @@ def test_slurm_scripts(script, tmp_path):
     assert '-p part' in line and '--ntasks=16' in line and '--ntasks-per-node=8' in line
     assert f'tools/{script.replace("slurm_", "").replace(".sh", ".py")}' in line
     assert '--launcher=slurm' in line and line.rstrip().endswith('--seed 1')
+
+
+def test_mim_search_lists_every_config():
+    """`mim search mmplugin_l2` (openmim, installed by tools/install.sh) reads the installed model index."""
+    import glob
+    r = subprocess.run([sys.executable, '-m', 'mim', 'search', 'mmplugin_l2', '--field', 'config'],
+                       capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    listed = {ln.split()[1] for ln in r.stdout.splitlines() if ln.startswith('config ') and ln.split()[1] != 'id:'}
+    configs = {osp.relpath(p, ROOT) for fw in ('mmdet', 'mmseg', 'mmpretrain')
+               for p in glob.glob(osp.join(ROOT, 'configs', fw, '*.py'))}
+    assert configs and listed == configs, sorted(listed ^ configs)

@@ -29,6 +29,9 @@ if ! $PY -c "import mmcv, mmcv.ops; assert mmcv.__version__ == '2.1.0'" 2>/dev/n
 fi
 $PY -m pip install 'mmdet==3.3.0' 'mmsegmentation==1.2.2' 'mmpretrain==1.2.0'
 # ONNX export and its checks (tools/deployment/, docs/deployment.md)
-$PY -m pip install onnx onnxruntime onnxscript
-$PY -m pip install --no-build-isolation --no-deps -e "$here"
+$PY -m pip install onnx onnxruntime onnxscript openmim
+# A legacy (egg-link) editable install: the package's location is then this checkout, where `mim search` /
+# `mim train mmplugin_l2` find mmplugin_l2/.mim/model-index.yml (with setuptools' newer editable wheels mim
+# looks for it in site-packages and fails).
+SETUPTOOLS_ENABLE_FEATURES=legacy-editable $PY -m pip install --no-build-isolation --no-deps -e "$here"
 $PY -c "import mmcv.ops, mmdet, mmseg, mmpretrain, mmplugin_l2; print('mmplugin_l2 stack OK: torch', __import__('torch').__version__, 'mmcv', mmcv.__version__)"
