@@ -88,9 +88,9 @@ def _guard_forward(forward):
 
     @functools.wraps(forward)
     def wrapped(self, x, *args, **kwargs):
-        if exporting():  # tracing / export / compile: no Python-level checks on sizes
+        self.check_input(x)  # the one input check of every backbone (their forwards do not repeat it)
+        if exporting():  # tracing / export / compile: no data-size branches or exception rewriting
             return forward(self, x, *args, **kwargs)
-        self.check_input(x)
         if x.shape[0] == 0:
             return self.empty_outputs(x)
         try:

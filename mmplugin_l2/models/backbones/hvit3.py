@@ -128,7 +128,6 @@ class HViT3(PyramidBackbone):
         self._init_pyramid(in_channels, dims, out_indices, frozen_stages, norm_eval, with_cp, out_norm_cfg)
 
     def forward(self, x):
-        self.check_input(x)
         x = self.patch_embed(x)
         hw = tuple(x.shape[-2:])
         x = self.pos_drop(map_to_tokens(x))
@@ -214,7 +213,6 @@ class ViT3(PyramidBackbone):
         return self.blocks
 
     def forward(self, x):
-        self.check_input(x)
         x = self.patch_embed.proj(pad_to_multiple(x, self.patch_size))
         hw = tuple(x.shape[-2:])
         x = self.pos_drop(map_to_tokens(x))

@@ -271,7 +271,6 @@ class L2ViT(PyramidBackbone):
                             context_fn=partial(_checkpoint_contexts, block))
 
     def forward(self, x):
-        self.check_input(x)
         outs = []
         for i in range(self.num_stages):
             if i == 0:

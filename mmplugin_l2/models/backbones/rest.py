@@ -147,7 +147,6 @@ class ResT(PyramidBackbone):
         self._init_pyramid(in_channels, dims, out_indices, frozen_stages, norm_eval, with_cp, out_norm_cfg)
 
     def forward(self, x):
-        self.check_input(x)
         x = self.patch_embed(x)
         outs = []
         for i, stage in enumerate(self.layers):
