@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mmplugin_l2.analysis import authors
-from mmplugin_l2.analysis.benchmark import MODELS, build
+from mmplugin_l2.analysis.models import MODELS, build
 from mmplugin_l2.analysis.precision import (autocast_error, batch_error, cast_error, fp64_error, grad_error,
                                             rel_l2, run_checks)
 from mmplugin_l2.models.layers import EMSA, LinearAttention, TTTAttention, emsa_attention

@@ -10,12 +10,9 @@
 Keys that do not fit the chosen model and arch are listed and nothing is written.
 """
 import argparse
-import os.path as osp
 import sys
 
-sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
-
-from mmplugin_l2.checkpoint.convert import convert_checkpoint, save_checkpoint  # noqa: E402
+from mmplugin_l2.checkpoint.convert import convert_checkpoint, save_checkpoint
 
 
 def main(argv=None):

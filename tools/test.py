@@ -12,15 +12,13 @@ import json
 import os.path as osp
 import sys
 
-sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
+from mmengine.config import DictAction
 
-from mmengine.config import DictAction  # noqa: E402
-
-import mmplugin_l2  # noqa: E402,F401
-from mmplugin_l2.checkpoint import CheckpointError  # noqa: E402
-from mmplugin_l2.engine import (DatasetNotFoundError, build_runner, check_checkpoint_fits,  # noqa: E402
-                                check_data, enable_visualization, format_metrics, load_config,
-                                read_checkpoint, set_local_rank, setup_cpu_distributed)
+import mmplugin_l2  # noqa: F401
+from mmplugin_l2.checkpoint import CheckpointError
+from mmplugin_l2.apis import (DatasetNotFoundError, build_runner, check_checkpoint_fits,
+                              check_data, enable_visualization, format_metrics, load_config,
+                              read_checkpoint, set_local_rank, setup_cpu_distributed, to_json)
 
 
 def parse_args(argv=None):
@@ -38,14 +36,6 @@ def parse_args(argv=None):
     p.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'], default='none')
     p.add_argument('--local_rank', '--local-rank', type=int, default=0)
     return p.parse_args(argv)
-
-
-def to_json(v):
-    """Metrics come as python, numpy or torch numbers (or strings, e.g. COCO's copypaste lines)."""
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return str(v)
 
 
 def main(argv=None):

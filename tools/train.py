@@ -10,20 +10,17 @@ the backbone's `init_cfg=Pretrained` file, that does not fit the model stops the
 """
 import argparse
 import logging
-import os.path as osp
 import sys
 
-sys.path.insert(0, osp.dirname(osp.dirname(osp.abspath(__file__))))
+import torch
+from mmengine.config import DictAction
+from mmengine.logging import print_log
 
-import torch  # noqa: E402
-from mmengine.config import DictAction  # noqa: E402
-from mmengine.logging import print_log  # noqa: E402
-
-import mmplugin_l2  # noqa: E402,F401  (registers the backbones and the checkpoint allow-list)
-from mmplugin_l2.checkpoint import CheckpointError  # noqa: E402
-from mmplugin_l2.engine import (add_resume_hook, build_runner, check_checkpoint_fits, check_data,  # noqa: E402
-                                check_pretrained, load_config, read_checkpoint, resolve_resume,
-                                set_local_rank, setup_cpu_distributed)
+import mmplugin_l2  # noqa: F401  (registers the backbones and the checkpoint allow-list)
+from mmplugin_l2.checkpoint import CheckpointError
+from mmplugin_l2.apis import (add_resume_hook, build_runner, check_checkpoint_fits, check_data,
+                              check_pretrained, load_config, read_checkpoint, resolve_resume,
+                              set_local_rank, setup_cpu_distributed)
 
 
 def parse_args(argv=None):

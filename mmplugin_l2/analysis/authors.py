@@ -34,6 +34,8 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .models import build as build_ours
+
 #: family -> (repository, backbone file relative to the checkout root)
 FAMILIES = {
     'ViTTT': ('https://github.com/Liyining-ai/ViTTT', 'detection/mmdet/models/backbones/vittt.py'),
@@ -177,7 +179,7 @@ def _rest(embed_dims, depths, root):
                                           out_features=['stage1', 'stage2', 'stage3', 'stage4'])
 
 
-#: benchmark model name (mmplugin_l2.analysis.benchmark.MODELS) -> (family, builder(root))
+#: benchmark model name (mmplugin_l2.analysis.models.MODELS) -> (family, builder(root))
 AUTHORS = {
     'hvit3_t': ('ViTTT', partial(_vittt, 'vittt_tiny')),
     'hvit3_s': ('ViTTT', partial(_vittt, 'vittt_small')),
@@ -239,7 +241,6 @@ def parity(name, root, size, batch=2, seed=0, device='cpu'):
     """Max |ours - theirs| per output stage: their model with random weights (see `randomize_`), its
     state_dict loaded strictly into ours through our `convert_state_dict`, both in eval mode on the same
     input, theirs called once first (ViTTT's first-call inner-loss scale)."""
-    from .benchmark import build as build_ours
     check_size(name, size)
     torch.manual_seed(seed)
     theirs = randomize_(build(name, root), seed + 1).to(device).eval()

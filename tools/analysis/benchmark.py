@@ -37,11 +37,9 @@ import platform
 import subprocess
 import sys
 
-ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
-sys.path.insert(0, ROOT)
 
-from mmplugin_l2.analysis import authors  # noqa: E402
-from mmplugin_l2.analysis import benchmark as bm  # noqa: E402
+from mmplugin_l2.analysis import authors
+from mmplugin_l2.analysis import benchmark as bm
 
 
 def _family_path(s):

@@ -10,15 +10,12 @@ Detector FLOPs depend on the number of RPN proposals that reach the RoI heads (t
 import argparse
 import json
 import os.path as osp
-import sys
 
-sys.path.insert(0, osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))))
+from mmengine.config import DictAction
 
-from mmengine.config import DictAction  # noqa: E402
-
-import mmplugin_l2  # noqa: E402,F401
-from mmplugin_l2.analysis.flops import model_complexity  # noqa: E402
-from mmplugin_l2.engine import load_config  # noqa: E402
+import mmplugin_l2  # noqa: F401
+from mmplugin_l2.analysis.flops import model_complexity
+from mmplugin_l2.apis import load_config
 
 
 def main(argv=None):

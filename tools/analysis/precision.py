@@ -17,7 +17,8 @@ import math
 import torch
 
 from mmplugin_l2.analysis import authors as authors_mod
-from mmplugin_l2.analysis.benchmark import MODELS, build, parse_size
+from mmplugin_l2.analysis.benchmark import parse_size
+from mmplugin_l2.analysis.models import MODELS, build
 from mmplugin_l2.analysis.precision import CHECKS, run_checks
 
 #: the checks also run on the authors' models (their code under autocast, as AMP users would run it)

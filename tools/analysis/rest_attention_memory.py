@@ -20,7 +20,6 @@ import subprocess
 import sys
 import time
 
-ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 
 def rss_bytes():
@@ -29,7 +28,6 @@ def rss_bytes():
 
 
 def child(args):
-    sys.path.insert(0, ROOT)
     import torch
     from mmplugin_l2 import ResT
 

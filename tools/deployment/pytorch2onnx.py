@@ -59,7 +59,7 @@ def build_model(cfg, checkpoint):
     import mmplugin_l2  # noqa: F401  (registers the backbones)
     from mmengine.registry import MODELS, init_default_scope
 
-    from mmplugin_l2.engine import check_checkpoint_fits, read_checkpoint
+    from mmplugin_l2.apis import check_checkpoint_fits, read_checkpoint
     init_default_scope(cfg.get('default_scope', 'mmengine'))
     if cfg.model.get('backbone', {}).get('init_cfg') is not None:
         cfg.model.backbone.init_cfg = None   # the weights come from CHECKPOINT (or stay random)
