@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# Installs the stack mmplugin_l2 is tested on, then the plugin itself (editable).
+# Installs the stack mmplugin_l2 is tested on, then the plugin itself (editable), unless it is installed already.
+#
+#   bash tools/install.sh [--force]        (PYTHON=/path/to/python to pick the interpreter)
 #
 #   torch 2.14.1 / torchvision 0.29.1 (a torch you already have is kept), mmengine 0.10.7,
 #   mmcv 2.1.0 with compiled ops, mmdet 3.3.0, mmsegmentation 1.2.2, mmpretrain 1.2.0, pycocotools,
-#   onnx / onnxruntime / onnxscript (ONNX export), pyyaml.
+#   onnx / onnxruntime / onnxscript (ONNX export), openmim, pytest, pyyaml.
+#
+# "Installed" (checked in a few seconds, then nothing is done; --force reinstalls): mmdet, mmseg, mmpretrain,
+# mmcv 2.1.0 with mmcv.ops, onnxruntime, pycocotools, mim and pytest import, and `import mmplugin_l2` finds
+# this checkout (not another copy). tools/demo.sh and tools/run_tests.sh call this script first.
 #
 # mmcv 2.1.0 has no wheel for current torch on PyPI, so pip builds it from source (~20-30 min on 2 cores).
 # The build needs: no build isolation (it imports torch), MMCV_WITH_OPS=1, setuptools that still ships
@@ -14,24 +20,51 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python}
 
-if ! $PY -c "import torch, torchvision" 2>/dev/null; then
-  $PY -m pip install torch==2.14.1 torchvision==0.29.1
+stack_installed() {
+  # run outside the checkout, so that `import mmplugin_l2` cannot succeed just because it is the cwd
+  (cd / && "$PY" - "$here" <<'PY' 2>/dev/null
+import os.path as osp, sys
+import mmcv, mmcv.ops, mmdet, mmseg, mmpretrain, onnxruntime, pycocotools, mim, pytest  # noqa: F401
+import mmplugin_l2
+assert mmcv.__version__ == '2.1.0', mmcv.__version__
+assert osp.samefile(osp.dirname(mmplugin_l2.__file__), osp.join(sys.argv[1], 'mmplugin_l2'))
+assert osp.isfile(osp.join(sys.argv[1], 'mmplugin_l2', '.mim', 'model-index.yml'))
+PY
+  )
+}
+
+if [ "${1:-}" != "--force" ] && stack_installed; then
+  echo "[install] the stack is installed ($("$PY" -c 'import sys; print(sys.executable)')): nothing to do"
+  exit 0
 fi
-$PY -m pip install 'setuptools>=77.0.3,<82' wheel ninja 'numpy>=2' 'mmengine==0.10.7' pycocotools ftfy regex \
+
+echo "[install 1/3] torch, mmengine and the Python dependencies..."
+if ! "$PY" -c "import torch, torchvision" 2>/dev/null; then
+  "$PY" -m pip install torch==2.14.1 torchvision==0.29.1
+fi
+"$PY" -m pip install 'setuptools>=77.0.3,<82' wheel ninja 'numpy>=2' 'mmengine==0.10.7' pycocotools ftfy regex \
   scipy shapely terminaltables matplotlib pytest pyyaml
 
-if ! $PY -c "import mmcv, mmcv.ops; assert mmcv.__version__ == '2.1.0'" 2>/dev/null; then
+if ! "$PY" -c "import mmcv, mmcv.ops; assert mmcv.__version__ == '2.1.0'" 2>/dev/null; then
+  echo "[install 2/3] mmcv 2.1.0 with ops (a prebuilt wheel from PIP_FIND_LINKS, else a 20-30 min build)..."
   wrap=$(mktemp -d)
   printf '#!/bin/sh\nexec g++ "$@" -std=c++20\n' > "$wrap/g++20"
   chmod +x "$wrap/g++20"
   CXX="$wrap/g++20" MMCV_WITH_OPS=1 MAX_JOBS=${MAX_JOBS:-2} \
-    $PY -m pip install --no-build-isolation 'mmcv==2.1.0'
+    "$PY" -m pip install --no-build-isolation 'mmcv==2.1.0'
+else
+  echo "[install 2/3] mmcv 2.1.0 with ops: installed"
 fi
-$PY -m pip install 'mmdet==3.3.0' 'mmsegmentation==1.2.2' 'mmpretrain==1.2.0'
+echo "[install 3/3] mmdet, mmseg, mmpretrain, onnx, openmim and mmplugin_l2 (editable)..."
+"$PY" -m pip install 'mmdet==3.3.0' 'mmsegmentation==1.2.2' 'mmpretrain==1.2.0'
 # ONNX export and its checks (tools/deployment/, docs/deployment.md)
-$PY -m pip install onnx onnxruntime onnxscript openmim
+"$PY" -m pip install onnx onnxruntime onnxscript openmim
 # A legacy (egg-link) editable install: the package's location is then this checkout, where `mim search` /
 # `mim train mmplugin_l2` find mmplugin_l2/.mim/model-index.yml (with setuptools' newer editable wheels mim
 # looks for it in site-packages and fails).
-SETUPTOOLS_ENABLE_FEATURES=legacy-editable $PY -m pip install --no-build-isolation --no-deps -e "$here"
-$PY -c "import mmcv.ops, mmdet, mmseg, mmpretrain, mmplugin_l2; print('mmplugin_l2 stack OK: torch', __import__('torch').__version__, 'mmcv', mmcv.__version__)"
+SETUPTOOLS_ENABLE_FEATURES=legacy-editable "$PY" -m pip install --no-build-isolation --no-deps -e "$here"
+if ! stack_installed; then
+  echo "[install] the stack does not import after installing; see the pip output above" >&2
+  exit 1
+fi
+"$PY" -c "import mmcv, torch; print('mmplugin_l2 stack OK: torch', torch.__version__, 'mmcv', mmcv.__version__)"
