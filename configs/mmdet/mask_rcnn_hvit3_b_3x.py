@@ -4,5 +4,7 @@ _base_ = './mask_rcnn_hvit3_t_3x.py'
 
 model = dict(
     backbone=dict(arch='base', drop_path_rate=0.6,
-                  init_cfg=dict(type='Pretrained', checkpoint='data/pretrained/H-ViTTT-B.pth')),
+                  init_cfg=dict(
+                      type='Pretrained',
+                      checkpoint='{{$MMPLUGIN_L2_PRETRAINED:data/pretrained}}/H-ViTTT-B.pth')),
     neck=dict(in_channels=[96, 192, 448, 640]))

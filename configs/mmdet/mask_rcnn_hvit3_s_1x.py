@@ -3,5 +3,7 @@ _base_ = './mask_rcnn_hvit3_t_1x.py'
 
 model = dict(
     backbone=dict(arch='small',
-                  init_cfg=dict(type='Pretrained', checkpoint='data/pretrained/H-ViTTT-S.pth')),
+                  init_cfg=dict(
+                      type='Pretrained',
+                      checkpoint='{{$MMPLUGIN_L2_PRETRAINED:data/pretrained}}/H-ViTTT-S.pth')),
     neck=dict(in_channels=[64, 128, 320, 512]))

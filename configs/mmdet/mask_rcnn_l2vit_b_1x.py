@@ -3,6 +3,7 @@ _base_ = './mask_rcnn_l2vit_t_1x.py'
 
 model = dict(
     backbone=dict(arch='base', drop_path_rate=0.2,
-                  init_cfg=dict(type='Pretrained',
-                                checkpoint='data/pretrained/L2ViT-Base-checkpoint-best-ema.pth')),
+                  init_cfg=dict(
+                      type='Pretrained',
+                      checkpoint='{{$MMPLUGIN_L2_PRETRAINED:data/pretrained}}/L2ViT-Base-checkpoint-best-ema.pth')),
     neck=dict(in_channels=[128, 256, 512, 1024]))

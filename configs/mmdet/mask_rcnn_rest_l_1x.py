@@ -4,5 +4,7 @@ _base_ = './mask_rcnn_rest_s_1x.py'
 
 model = dict(
     backbone=dict(arch='large', drop_path_rate=0.2,
-                  init_cfg=dict(type='Pretrained', checkpoint='data/pretrained/rest_large.pth')),
+                  init_cfg=dict(
+                      type='Pretrained',
+                      checkpoint='{{$MMPLUGIN_L2_PRETRAINED:data/pretrained}}/rest_large.pth')),
     neck=dict(in_channels=[96, 192, 384, 768]))

@@ -4,8 +4,8 @@
 # Paper (Tab. 4): 39.6 box AP / 37.2 mask AP, 33.3 M parameters. The other sizes and the 3x configs inherit this.
 _base_ = [
     'mmdet::_base_/models/mask-rcnn_r50_fpn.py',
-    'mmdet::_base_/datasets/coco_instance.py',
-    'mmdet::_base_/schedules/schedule_1x.py',
+    './_base_/datasets/coco_instance.py',
+    './_base_/schedules/rest_adamw_1x.py',  # AdamW 1e-4, no decay on norms, 1x steps, warm-up 1000, fp32
     'mmdet::_base_/default_runtime.py',
 ]
 custom_imports = dict(imports=['mmplugin_l2'], allow_failed_imports=False)
@@ -32,7 +32,7 @@ model = dict(
         norm_in_path=False,
         with_cp=False,  # the attention maps are already chunked with recomputation (attn_chunk_elems)
         # The authors' ImageNet checkpoint ({'model': ...}), converted on load (`norm` -> norm3, head dropped).
-        init_cfg=dict(type='Pretrained', checkpoint='data/pretrained/rest_small.pth')),
+        init_cfg=dict(type='Pretrained', checkpoint='{{$MMPLUGIN_L2_PRETRAINED:data/pretrained}}/rest_small.pth')),
     neck=dict(in_channels=[64, 128, 256, 512]))
 
 # Data: the detectron2 Mask R-CNN base crops a relative 0.9 x 0.9 window before the resize (boxes recomputed
@@ -50,23 +50,6 @@ train_pipeline = [
 # 16 images per iteration as the authors: 8 GPUs x 2.
 train_dataloader = dict(batch_size=2, dataset=dict(pipeline=train_pipeline))
 
-# AdamW lr 1e-4, wd 0.05, no weight decay on norm parameters (detectron2 WEIGHT_DECAY_NORM=0; LN, BN).
-# Biases keep wd 0.05 as in current detectron2 (older detectron2 versions used 1e-4: bias_decay_mult=0.002).
-# Mask R-CNN clips the gradient norm of the whole model at 0.01 every step (CLIP_TYPE full_model).
-# fp32, as the authors (detectron2 leaves AMP off).
-optim_wrapper = dict(
-    type='OptimWrapper',
-    optimizer=dict(_delete_=True, type='AdamW', lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05),
-    paramwise_cfg=dict(norm_decay_mult=0.),
-    clip_grad=dict(max_norm=0.01, norm_type=2))
-
-# 90k iterations at batch 16 = 12.3 epochs; steps at 60k / 80k = epochs 8.2 / 10.9; linear warm-up over
-# 1000 iterations from 0.001 (detectron2 defaults). For the exact iteration schedule use an
-# IterBasedTrainLoop(max_iters=90000) with milestones [60000, 80000].
-max_epochs = 12
-train_cfg = dict(max_epochs=max_epochs)
-param_scheduler = [
-    dict(type='LinearLR', start_factor=1e-3, by_epoch=False, begin=0, end=1000),
-    dict(type='MultiStepLR', begin=0, end=max_epochs, by_epoch=True, milestones=[8, 11], gamma=0.1),
-]
-auto_scale_lr = dict(enable=False, base_batch_size=16)
+# The solver of rest_adamw_1x.py; Mask R-CNN also clips the gradient norm of the whole model at 0.01 every
+# step (CLIP_TYPE full_model).
+optim_wrapper = dict(clip_grad=dict(max_norm=0.01, norm_type=2))

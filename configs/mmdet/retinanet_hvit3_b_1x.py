@@ -4,5 +4,7 @@ _base_ = './retinanet_hvit3_t_1x.py'
 
 model = dict(
     backbone=dict(arch='base',
-                  init_cfg=dict(type='Pretrained', checkpoint='data/pretrained/H-ViTTT-B.pth')),
+                  init_cfg=dict(
+                      type='Pretrained',
+                      checkpoint='{{$MMPLUGIN_L2_PRETRAINED:data/pretrained}}/H-ViTTT-B.pth')),
     neck=dict(in_channels=[192, 448, 640]))

@@ -4,5 +4,7 @@ _base_ = './retinanet_hvit3_t_3x.py'
 
 model = dict(
     backbone=dict(arch='small', drop_path_rate=0.4,
-                  init_cfg=dict(type='Pretrained', checkpoint='data/pretrained/H-ViTTT-S.pth')),
+                  init_cfg=dict(
+                      type='Pretrained',
+                      checkpoint='{{$MMPLUGIN_L2_PRETRAINED:data/pretrained}}/H-ViTTT-S.pth')),
     neck=dict(in_channels=[128, 320, 512]))

@@ -15,5 +15,5 @@ model = dict(
         drop_path_rate=0.1,
         out_indices=(1, 2, 3),
         with_cp=True,
-        init_cfg=dict(type='Pretrained', checkpoint='data/pretrained/H-ViTTT-T.pth')),
+        init_cfg=dict(type='Pretrained', checkpoint='{{$MMPLUGIN_L2_PRETRAINED:data/pretrained}}/H-ViTTT-T.pth')),
     neck=dict(in_channels=[128, 320, 512], start_level=0, add_extra_convs='on_input', num_outs=5))

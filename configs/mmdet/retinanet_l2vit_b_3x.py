@@ -4,6 +4,7 @@ _base_ = './retinanet_l2vit_t_3x.py'
 
 model = dict(
     backbone=dict(arch='base', drop_path_rate=0.3,
-                  init_cfg=dict(type='Pretrained',
-                                checkpoint='data/pretrained/L2ViT-Base-checkpoint-best-ema.pth')),
+                  init_cfg=dict(
+                      type='Pretrained',
+                      checkpoint='{{$MMPLUGIN_L2_PRETRAINED:data/pretrained}}/L2ViT-Base-checkpoint-best-ema.pth')),
     neck=dict(in_channels=[256, 512, 1024]))

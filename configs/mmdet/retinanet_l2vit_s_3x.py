@@ -3,5 +3,6 @@ _base_ = './retinanet_l2vit_t_3x.py'
 
 model = dict(
     backbone=dict(arch='small',
-                  init_cfg=dict(type='Pretrained',
-                                checkpoint='data/pretrained/L2ViT-Small-checkpoint-best-ema.pth')))
+                  init_cfg=dict(
+                      type='Pretrained',
+                      checkpoint='{{$MMPLUGIN_L2_PRETRAINED:data/pretrained}}/L2ViT-Small-checkpoint-best-ema.pth')))

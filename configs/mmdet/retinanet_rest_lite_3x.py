@@ -3,5 +3,7 @@ _base_ = './retinanet_rest_s_3x.py'
 
 model = dict(
     backbone=dict(arch='lite', drop_path_rate=0.1,
-                  init_cfg=dict(type='Pretrained', checkpoint='data/pretrained/rest_lite.pth')),
+                  init_cfg=dict(
+                      type='Pretrained',
+                      checkpoint='{{$MMPLUGIN_L2_PRETRAINED:data/pretrained}}/rest_lite.pth')),
     neck=dict(in_channels=[128, 256, 512]))

@@ -2,13 +2,7 @@
 # h_vittt_tiny yaml, Swin-style trainer, main_ema.py); see docs/hvit3.md (Recipes).
 # Without MESA: the authors' released H-ViT3 weights are MESA runs (paper: 83.5 top-1 without, 84.0 with).
 # The S/B configs and the ViT3 configs inherit this file.
-_base_ = [
-    'mmpretrain::_base_/models/swin_transformer/tiny_224.py',  # classifier, label smoothing 0.1, Mixup/CutMix
-    'mmpretrain::_base_/datasets/imagenet_bs64_swin_224.py',   # timm-style RandAugment m9 mstd0.5, RE 0.25
-    'mmpretrain::_base_/schedules/imagenet_bs1024_adamw_swin.py',
-    'mmpretrain::_base_/default_runtime.py',
-]
-custom_imports = dict(imports=['mmplugin_l2'], allow_failed_imports=False)
+_base_ = './_base_/imagenet_adamw_300e.py'  # Swin-T classifier, timm-style data, AdamW, 300 epochs
 
 # ---- model ----------------------------------------------------------------------------------------
 # Last stage through a BatchNorm (the authors' BatchNorm1d over the tokens equals BN2d on the map, and
@@ -23,15 +17,14 @@ model = dict(
         drop_path_rate=0.2,
         out_indices=(3, ),
         out_norm_cfg=dict(type='BN')),
-    neck=dict(type='GlobalAveragePooling'),
-    head=dict(type='LinearClsHead', num_classes=1000, in_channels=512))
+    head=dict(in_channels=512))
 
 # ---- data -----------------------------------------------------------------------------------------
 # Inherited train pipeline: RandomResizedCrop 224 bicubic, flip, RandAugment (timm 'rand-m9-mstd0.5-inc1'),
 # RandomErasing 0.25 (per-pixel random fill). timm ignores color-jitter 0.4 when RandAugment is on, so
 # none is added. Eval: resize short side 256 bicubic + center crop 224.
 # 128 images per GPU (the authors' default); their README runs 8 GPUs (total 1024), the paper 4096.
-train_dataloader = dict(batch_size=128, drop_last=True)
+train_dataloader = dict(batch_size=128)
 val_dataloader = dict(batch_size=128)
 test_dataloader = val_dataloader
 
@@ -41,8 +34,7 @@ test_dataloader = val_dataloader
 # the 4-D TTT weights w1/w2/w3 are decayed. Gradient-norm clip 5.0. For fp16 AMP (the authors' --amp)
 # pass --amp to tools/train.py.
 optim_wrapper = dict(
-    optimizer=dict(type='AdamW', lr=5e-4, weight_decay=0.05, eps=1e-8, betas=(0.9, 0.999)),
-    paramwise_cfg=dict(_delete_=True, norm_decay_mult=0.0, bias_decay_mult=0.0, flat_decay_mult=0.0),
+    optimizer=dict(lr=5e-4),
     clip_grad=dict(max_norm=5.0))
 auto_scale_lr = dict(enable=True, base_batch_size=512)
 
@@ -54,7 +46,6 @@ param_scheduler = [
     dict(type='CosineAnnealingLR', eta_min_ratio=1e-2, by_epoch=True, begin=20, end=300,
          convert_to_iter_based=True),
 ]
-train_cfg = dict(by_epoch=True, max_epochs=300, val_interval=1)
 
 # ---- runtime --------------------------------------------------------------------------------------
 # Model EMA as the authors' main_ema.py (timm ModelEma, every iteration, buffers averaged too):

@@ -1,13 +1,7 @@
 # L2ViT-T on ImageNet-1k from scratch: the authors' recipe (ChuanyangZheng/L2ViT, ConvNeXt-style trainer
 # classification/main.py + readme command + paper Table 9); see docs/l2vit.md (Recipes).
 # The S/B configs inherit this file.
-_base_ = [
-    'mmpretrain::_base_/models/swin_transformer/tiny_224.py',  # classifier, label smoothing 0.1, Mixup/CutMix
-    'mmpretrain::_base_/datasets/imagenet_bs64_swin_224.py',   # timm-style RandAugment m9 mstd0.5, RE 0.25
-    'mmpretrain::_base_/schedules/imagenet_bs1024_adamw_swin.py',
-    'mmpretrain::_base_/default_runtime.py',
-]
-custom_imports = dict(imports=['mmplugin_l2'], allow_failed_imports=False)
+_base_ = './_base_/imagenet_adamw_300e.py'  # Swin-T classifier, timm-style data, AdamW, 300 epochs
 
 # ---- model ----------------------------------------------------------------------------------------
 # The authors' classifier: LayerNorm over the last stage's tokens -> mean over tokens -> Linear. Here the
@@ -24,15 +18,14 @@ model = dict(
         drop_path_rate=0.1,
         out_indices=(3, ),
         final_norm=True),
-    neck=dict(type='GlobalAveragePooling'),
-    head=dict(type='LinearClsHead', num_classes=1000, in_channels=768))
+    head=dict(in_channels=768))
 
 # ---- data -----------------------------------------------------------------------------------------
 # Inherited train pipeline: RandomResizedCrop 224 bicubic, flip, RandAugment (timm 'rand-m9-mstd0.5-inc1'),
 # RandomErasing 0.25 (per-pixel random fill, one box). timm ignores color-jitter 0.4 when RandAugment is on,
 # so none is added. Eval: resize short side 256 bicubic (crop_pct 0.875) + center crop 224.
 # 128 images per GPU x 8 GPUs x 4 accumulated steps = 4096, the authors' total batch (--update_freq 4).
-train_dataloader = dict(batch_size=128, drop_last=True)
+train_dataloader = dict(batch_size=128)
 val_dataloader = dict(batch_size=128)
 test_dataloader = val_dataloader
 
@@ -42,8 +35,7 @@ test_dataloader = val_dataloader
 # and biases (norms, biases); the 3-D linear attention temperatures are decayed. No gradient clipping, fp32.
 optim_wrapper = dict(
     type='OptimWrapper',
-    optimizer=dict(type='AdamW', lr=4e-3, weight_decay=0.05, eps=1e-8, betas=(0.9, 0.999)),
-    paramwise_cfg=dict(_delete_=True, norm_decay_mult=0.0, bias_decay_mult=0.0, flat_decay_mult=0.0),
+    optimizer=dict(lr=4e-3),
     accumulative_counts=4,
     clip_grad=None)
 auto_scale_lr = dict(enable=False, base_batch_size=4096)
@@ -55,7 +47,6 @@ param_scheduler = [
     dict(type='CosineAnnealingLR', eta_min=1e-6, by_epoch=True, begin=20, end=300,
          convert_to_iter_based=True),
 ]
-train_cfg = dict(by_epoch=True, max_epochs=300, val_interval=1)
 
 # ---- runtime --------------------------------------------------------------------------------------
 # Model EMA 0.9999 per optimizer step (timm ModelEma: buffers averaged too), evaluated next to the model;

@@ -5,13 +5,7 @@
 # wd 0.05, gradient clip 5.0, RandAugment + Mixup + CutMix + random erasing, drop path 0.1/0.1/0.2/0.3
 # (Lite/S/B/L); test: resize the short side to 256, centre-crop 224. The paper's "initial lr 5e-4" is read
 # the DeiT way, 5e-4 per 512 images: 2e-3 at 2048 (our choice; the authors' main.py defaults are v2's).
-_base_ = [
-    'mmpretrain::_base_/models/swin_transformer/tiny_224.py',  # classifier, label smoothing 0.1, Mixup/CutMix
-    'mmpretrain::_base_/datasets/imagenet_bs64_swin_224.py',   # timm-style RandAugment m9 mstd0.5, RE 0.25
-    'mmpretrain::_base_/schedules/imagenet_bs1024_adamw_swin.py',
-    'mmpretrain::_base_/default_runtime.py',
-]
-custom_imports = dict(imports=['mmplugin_l2'], allow_failed_imports=False)
+_base_ = './_base_/imagenet_adamw_300e.py'  # Swin-T classifier, timm-style data, AdamW, 300 epochs
 
 # ---- model ----------------------------------------------------------------------------------------
 # Stage 4 through `norm3`, a LayerNorm that takes the authors' final `norm` (convert_state_dict), then global
@@ -25,14 +19,13 @@ model = dict(
         arch='small',
         drop_path_rate=0.1,
         out_indices=(3, )),
-    neck=dict(type='GlobalAveragePooling'),
-    head=dict(type='LinearClsHead', num_classes=1000, in_channels=512))
+    head=dict(in_channels=512))
 
 # ---- data -----------------------------------------------------------------------------------------
 # Inherited train pipeline: RandomResizedCrop 224 bicubic, flip, RandAugment (timm 'rand-m9-mstd0.5-inc1'),
 # RandomErasing 0.25 (per-pixel random fill). Eval: resize short side 256 bicubic + center crop 224 (the
 # paper's 0.875 crop; main.py's default crop_pct 1.0 would resize to 224 without a margin).
-train_dataloader = dict(batch_size=256, drop_last=True)  # 8 GPUs x 256 = 2048, the paper's batch
+train_dataloader = dict(batch_size=256)  # 8 GPUs x 256 = 2048, the paper's batch
 val_dataloader = dict(batch_size=256)
 test_dataloader = val_dataloader
 
@@ -40,8 +33,7 @@ test_dataloader = val_dataloader
 # AdamW lr 2e-3 for a total batch of 2048 (5e-4 x 2048 / 512); --auto-scale-lr rescales it linearly for
 # another total batch. No weight decay on norms, biases and other 1-D parameters. Gradient-norm clip 5.0.
 optim_wrapper = dict(
-    optimizer=dict(type='AdamW', lr=5e-4 * 2048 / 512, weight_decay=0.05, eps=1e-8, betas=(0.9, 0.999)),
-    paramwise_cfg=dict(_delete_=True, norm_decay_mult=0.0, bias_decay_mult=0.0, flat_decay_mult=0.0),
+    optimizer=dict(lr=5e-4 * 2048 / 512),
     clip_grad=dict(max_norm=5.0))
 auto_scale_lr = dict(enable=False, base_batch_size=2048)
 
@@ -50,4 +42,3 @@ param_scheduler = [
     dict(type='LinearLR', start_factor=1e-3, by_epoch=True, begin=0, end=5, convert_to_iter_based=True),
     dict(type='CosineAnnealingLR', eta_min=1e-5, by_epoch=True, begin=5, end=300, convert_to_iter_based=True),
 ]
-train_cfg = dict(by_epoch=True, max_epochs=300, val_interval=1)
