@@ -3,13 +3,14 @@
 For an input image x (1, 3, H, W) and the stage's output map y (1, C, h, w), the ERF of the centre token
 (h // 2, w // 2) is
 
-    G(p) = sum over the 3 input channels of | d (sum_c y[c, h // 2, w // 2]) / d x[:, p] |      (H, W)
+    G(p) = sum over the 3 input channels of | d (sum_c relu(y[c, h // 2, w // 2])) / d x[:, p] |      (H, W)
 
-averaged over the images (the method of Luo et al. 2016, as in RepLKNet's and the linear-attention backbone
-papers' ERF figures). The centre token sits at the pixel (cy, cx) = ((h // 2 + 0.5) s - 0.5, (w // 2 + 0.5) s
+averaged over the images (the method of Luo et al. 2016 with RepLKNet's ReLU, as in the linear-attention
+backbone papers' ERF figures). The ReLU matters: the sum over channels of a LayerNorm output with unit
+weight and zero bias (the output norms at initialisation) is constant, its gradient zero. The centre token sits at the pixel (cy, cx) = ((h // 2 + 0.5) s - 0.5, (w // 2 + 0.5) s
 - 0.5), s the stage stride. `mass_within(G, r)` is the share of sum(G) inside the square |py - cy| <= r,
 |px - cx| <= r (pixels). For a model that is a single k x k convolution (stride 1, padding k // 2), G is
-sum_in |kernel| on the k x k footprint around the centre and zero elsewhere (tests/test_vis.py).
+sum_in |sum over the active (y > 0) output channels of the kernel| on the k x k footprint around the centre and zero elsewhere (tests/test_vis.py).
 """
 import math
 
@@ -32,7 +33,7 @@ def erf_gradient(model, x, index=-1):
     if y.ndim != 4:
         raise ValueError(f'the chosen output is {tuple(y.shape)}, not a (B, C, h, w) map')
     h, w = y.shape[-2:]
-    (g,) = torch.autograd.grad(y[0, :, h // 2, w // 2].sum(), x)
+    (g,) = torch.autograd.grad(y[0, :, h // 2, w // 2].relu().sum(), x)
     return g[0].abs().sum(0).double(), (h, w)
 
 

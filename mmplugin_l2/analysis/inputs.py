@@ -58,7 +58,9 @@ def build_backbone(config, checkpoint=None, cfg_options=None, device='cpu'):
     model = MODELS.build(bb)
     if checkpoint is not None:
         model.init_weights()
-    return model.to(device).eval()
+    model.to(device)
+    model.eval()   # not chained: some backbones' train() (mmdet's Swin) return None
+    return model
 
 
 def norm_stats(cfg):

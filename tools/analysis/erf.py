@@ -8,7 +8,7 @@ CONFIG: configs of our backbones or of any other mmdet / mmseg / mmpretrain back
 mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py or mmdet::pvt/retinanet_pvtv2-b2_fpn_1x_coco.py; only
 `model.backbone` is built. --checkpoint: one per config, `none` for random weights (the default; seeded).
 --stage: the backbone output index (out_indices is set to it; 3 = stage 4 of the pyramid backbones). The
-ERF is |d (sum_c y[c, h/2, w/2]) / d image| summed over colour channels (mmplugin_l2/analysis/erf.py).
+ERF is |d (sum_c relu(y[c, h/2, w/2])) / d image| summed over colour channels (mmplugin_l2/analysis/erf.py).
 """
 import argparse
 import json
