@@ -24,12 +24,12 @@ VARIANTS = {
               'norecompute': dict(recompute=False), 'norecompute+cp': dict(recompute=False, with_cp=True)},
     'L2ViT': {'default': {}, 'cp': dict(with_cp=True),
               'norecompute': dict(recompute=False), 'norecompute+cp': dict(recompute=False, with_cp=True)},
-    # ResT: its attention maps are chunked with recomputation in training above attn_chunk_elems entries
-    'ResT': {'default': {}, 'cp': dict(with_cp=True), 'dense': dict(attn_chunk_elems=None)},
+    # ResT: its attention maps are chunked with recomputation in training (recompute=True, the memory policy)
+    'ResT': {'default': {}, 'cp': dict(with_cp=True), 'dense': dict(recompute=False)},
 }
 #: names of the defaults of each family in VARIANTS (H-ViT3: recompute=True, with_cp=False, ...)
 DEFAULT_MEANING = {'HViT3': 'recompute=True, with_cp=False', 'L2ViT': 'recompute=True, with_cp=False',
-                   'ResT': 'attn_chunk_elems=default (chunked, recomputed attention), with_cp=False'}
+                   'ResT': 'recompute=True (chunked, recomputed attention), with_cp=False'}
 
 
 def build_model(name, extra_cfg=None, authors_root=None):
@@ -44,14 +44,16 @@ def _loss(outputs):
     return sum(o.float().mean() for o in outputs)
 
 
-def train_steps(model, x, warmup, iters, lr=1e-4):
+def train_steps(model, x, warmup, iters, lr=1e-4, memory=True):
     """`warmup` + `iters` training iterations of `model` on `x`; returns (per-iteration dicts of
     total / forward / backward / optimizer ms for the timed ones, peak memory in MB above the memory held
-    before the first iteration)."""
+    before the first iteration, None without `memory`)."""
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.05)
     dev = x.device
-    if dev.type == 'cuda':
+    if not memory:
+        pass
+    elif dev.type == 'cuda':
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -76,7 +78,9 @@ def train_steps(model, x, warmup, iters, lr=1e-4):
             steps.append(dict(total_ms=(t3 - t0) * 1e3, forward_ms=(t1 - t0) * 1e3, backward_ms=(t2 - t1) * 1e3,
                               optimizer_ms=(t3 - t2) * 1e3))
         del loss
-    if dev.type == 'cuda':
+    if not memory:
+        peak = None
+    elif dev.type == 'cuda':
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     else:
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

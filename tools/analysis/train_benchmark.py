@@ -4,7 +4,7 @@ beside it, at detection sizes; our recompute / with_cp combinations side by side
 mmdet's Swin-T / PVTv2-b2, in one run. Writes train_benchmark.json and train_benchmark.md (tables).
 
     python tools/analysis/train_benchmark.py [--models hvit3_t l2vit_t rest_s swin_t pvtv2_b2]
-        [--sizes 800x1344 1248] [--batches 1 2] [--variants default|all] [--warmup 1] [--iters 2]
+        [--sizes 800x1344 1248] [--batches 1 2] [--variants default|all|NAME ...] [--warmup 1] [--iters 2]
         [--rounds 2] [--no-inference] [--device cpu|cuda] [--out-dir work_dirs/train_benchmark]
         [--authors-code ViTTT=PATH L2ViT=PATH ResT=PATH]
 
@@ -15,7 +15,7 @@ Memory: the peak above what was held before the first iteration (CPU: resident s
 max_memory_allocated), activations plus gradients plus AdamW state. Inference: the median of `--iters` no-grad
 forwards after `--warmup` (tools/analysis/benchmark.py's measurement), same batch. The whole job list runs
 `--rounds` times, round-robin, so each ratio compares measurements taken minutes apart; the tables give the
-median over rounds and the range (min-max). `--variants all` adds, for our backbones, every recompute /
+median over rounds and the range (min-max). `--variants all` (or a list of names) adds, for our backbones, every recompute /
 with_cp combination of VARIANTS in mmplugin_l2/analysis/train_step.py. With `--authors-code` (see
 tools/analysis/benchmark.py) each of our models with a counterpart is measured as `<model>@authors` too, and
 ResT of ours then runs with norm_in_path=True, the configuration that computes their function.
@@ -57,7 +57,9 @@ def parse_args(argv=None):
     p.add_argument('--models', nargs='+', default=DEFAULT_MODELS, choices=sorted(bm.MODELS))
     p.add_argument('--sizes', nargs='+', default=['800x1344', '1248'], help='H or HxW')
     p.add_argument('--batches', nargs='+', type=int, default=[1, 2])
-    p.add_argument('--variants', choices=['default', 'all'], default='default')
+    p.add_argument('--variants', nargs='+', default=['default'],
+                   help='our recompute / with_cp combinations to measure: all, or names of VARIANTS '
+                        '(default cp norecompute norecompute+cp dense); a family without one of them skips it')
     p.add_argument('--warmup', type=int, default=1)
     p.add_argument('--iters', type=int, default=2)
     p.add_argument('--rounds', type=int, default=2)
@@ -69,6 +71,9 @@ def parse_args(argv=None):
     p.add_argument('--authors-root', help=argparse.SUPPRESS)
     p.add_argument('--cfg', help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    known = {'all'} | {v for vs in ts.VARIANTS.values() for v in vs}
+    if set(args.variants) - known:
+        p.error(f'--variants: unknown {sorted(set(args.variants) - known)}; choose from {sorted(known)}')
     if min(args.batches) < 1 or args.iters < 1 or args.warmup < 0 or args.rounds < 1:
         p.error('--batches and --iters must be >= 1, --warmup >= 0, --rounds >= 1')
     code = {}
@@ -97,8 +102,8 @@ def entries(args):
         root = args.authors_code.get(authors.AUTHORS[n][0]) if n in authors.AUTHORS else None
         base = authors.OURS_MATCHING_CFG.get(n, {}) if root else {}
         variants = ts.VARIANTS.get(fam, {'default': {}})
-        if args.variants == 'default':
-            variants = {'default': variants.get('default', {})}
+        if 'all' not in args.variants:
+            variants = {k: v for k, v in variants.items() if k in args.variants or k == 'default'}
         for v, cfg in variants.items():
             out.append((n if v == 'default' else f'{n}[{v}]', n, {**base, **cfg} or None, None))
         if root:
