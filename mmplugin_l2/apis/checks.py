@@ -8,6 +8,9 @@ DATA_HELP = {
     'mmseg': 'ADE20K (ADEChallengeData2016/images, ADEChallengeData2016/annotations) under data/ade/',
     'mmpretrain': 'ImageNet-1k (train/, val/, meta/{train,val}.txt) under data/imagenet/',
 }
+# the environment variables our configs read their data roots from (configs/*/_base_/datasets/)
+DATA_ENV = {'mmdet': 'MMPLUGIN_L2_COCO=/path/to/coco', 'mmseg': 'MMPLUGIN_L2_ADE=/path/to/ADEChallengeData2016',
+            'mmpretrain': 'MMPLUGIN_L2_IMAGENET=/path/to/imagenet'}
 
 
 class DatasetNotFoundError(FileNotFoundError):
@@ -56,8 +59,9 @@ def check_data(cfg, loaders):
                     raise DatasetNotFoundError(
                         f'dataset path not found: {p!r} (needed by {name}, dataset '
                         f'{ds.get("type")}).\n  This config expects '
-                        f'{DATA_HELP[cfg.default_scope]}: download it there or point the config at '
-                        f'it, e.g. --cfg-options {name}.dataset.data_root=/path/to/data/\n  To try '
+                        f'{DATA_HELP[cfg.default_scope]}: download it there, or point our configs at it '
+                        f'once with {DATA_ENV[cfg.default_scope]} (an environment variable), or set it '
+                        f'on the command line: --cfg-options {name}.dataset.data_root=/path/to/data/\n  To try '
                         f'the model without the real data, generate the demo data and run the demo: '
                         f'python tools/make_demo_data.py && bash tools/demo.sh  (docs/get_started.md, "Demo")')
 
@@ -71,7 +75,8 @@ def check_pretrained(cfg):
             raise FileNotFoundError(
                 f'pretrained backbone weights not found: {path!r} (model.backbone.init_cfg).\n  Put the '
                 f'authors\' ImageNet checkpoint there (tools/convert_checkpoint.py converts it; docs/get_started.md), '
-                f'or train from scratch with --cfg-options model.backbone.init_cfg=None')
+                f'or point our configs at the folder holding it once with MMPLUGIN_L2_PRETRAINED=/path/to/folder '
+                f'(an environment variable), or train from scratch with --cfg-options model.backbone.init_cfg=None')
 
 
 FIT_HINT = ('Is it a checkpoint of this config\'s model (same detector / segmentor / classifier, backbone '
