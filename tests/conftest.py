@@ -35,3 +35,29 @@ def saved_for_backward(fn):
 
 def nbytes(tensors):
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def assert_pyramid_shapes(outs, size, dims, batch=2):
+    """Four finite maps (B, C_i, ceil(H / 2^(i+2)), ceil(W / 2^(i+2))), the stride-4..32 pyramid."""
+    import math
+    assert len(outs) == len(dims)
+    for i, (o, c) in enumerate(zip(outs, dims)):
+        s = 2 ** (i + 2)
+        assert o.shape == (batch, c, math.ceil(size[0] / s), math.ceil(size[1] / s)), (i, o.shape)
+        assert torch.isfinite(o).all()
+
+
+def assert_with_cp_matches(build, x=None):
+    """`with_cp=True` gives the same outputs and parameter gradients as without, in train mode."""
+    torch.manual_seed(0)
+    a, b = build(), build(with_cp=True)
+    b.load_state_dict(a.state_dict())
+    a.train(), b.train()
+    x = torch.randn(2, 3, 64, 64) if x is None else x
+    oa, ob = a(x), b(x)
+    for u, v in zip(oa, ob):
+        torch.testing.assert_close(u, v, rtol=0, atol=1e-6)
+    sum(o.square().sum() for o in oa).backward()
+    sum(o.square().sum() for o in ob).backward()
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)

@@ -10,6 +10,7 @@ import torch
 from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST
 from mmplugin_l2 import HViT3, L2ViT, ResT, ViT3
 from mmplugin_l2.analysis import authors
+from mmplugin_l2.models.layers import set_memory_policy
 from mmplugin_l2.models.layers.export import eager_inference, export_mode, exporting
 
 BUILD = {
@@ -29,11 +30,7 @@ def model(name):
 def force_fast_paths(m):
     """Tiny chunk / band budgets: every eager inference fast path (token chunks, row bands, window-row bands,
     chunked MLPs) is taken, with partial last pieces."""
-    for mod in m.modules():
-        for attr, value in (('chunk_elems', 97), ('band_elems', 61), ('chunk_tokens', 5)):
-            if attr in type(mod).__dict__ or attr in vars(mod):
-                if isinstance(getattr(mod, attr), int):
-                    setattr(mod, attr, value)
+    set_memory_policy(m, dict(max_elems=61))
     return m
 
 

@@ -1,11 +1,10 @@
 """H-ViT3 / ViT3 backbones: shapes, inner gradients, RoPE, freezing, checkpointing, registries, weights."""
-import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import TINY_HVIT3, nbytes, saved_for_backward
+from conftest import assert_pyramid_shapes, assert_with_cp_matches, TINY_HVIT3, nbytes, saved_for_backward
 from mmplugin_l2 import HViT3, ViT3
 from mmplugin_l2.models.layers import (TTTAttention, apply_rope, dwconv_inner_grad, rope_tables,
                                        swiglu_inner_grads)
@@ -21,11 +20,7 @@ def test_shapes_and_strides(size):
     m = HViT3(arch=TINY_HVIT3).eval()
     with torch.no_grad():
         outs = m(torch.randn(2, 3, *size))
-    assert len(outs) == 4
-    for i, (o, c) in enumerate(zip(outs, TINY_HVIT3['embed_dims'])):
-        s = 2 ** (i + 2)
-        assert o.shape == (2, c, math.ceil(size[0] / s), math.ceil(size[1] / s)), (i, o.shape)
-        assert torch.isfinite(o).all()
+    assert_pyramid_shapes(outs, size, TINY_HVIT3['embed_dims'])
 
 
 def test_real_tiny_width_shapes_at_odd_size():
@@ -276,19 +271,7 @@ def test_with_cp_same_output_and_grads(backbone):
     else:
         kw = dict(arch=dict(embed_dims=32, num_layers=2, num_heads=2))
         build = ViT3
-    torch.manual_seed(0)
-    a = build(**kw)
-    b = build(**kw, with_cp=True)
-    b.load_state_dict(a.state_dict())
-    a.train(), b.train()
-    x = torch.randn(2, 3, 64, 64)
-    oa, ob = a(x), b(x)
-    for u, v in zip(oa, ob):
-        torch.testing.assert_close(u, v, rtol=0, atol=1e-6)
-    sum(o.square().sum() for o in oa).backward()
-    sum(o.square().sum() for o in ob).backward()
-    for (n, p), q in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
+    assert_with_cp_matches(lambda **extra: build(**kw, **extra))
 
 
 # ---------------------------------------------------------------- registries and errors

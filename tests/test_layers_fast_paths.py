@@ -1,15 +1,253 @@
-"""The speed / memory paths of the shared layers compute the same function as the plain ones."""
+"""Every inference-only path (pieces of the memory policy, in-place kernels, the fused TTT pass) computes the
+function that the path autograd runs computes, module by module and for whole backbones in eval mode, in
+the regime where the path's feature is active; plus the memory policy's rule itself.
+
+`paths(m, args, max_elems)` runs `m` twice in eval mode: under no_grad with a small policy (the inference
+path, pieces forced, partial last pieces) and with autograd recording (the differentiable whole-map path).
+Float64, so that a wrong constant or sign cannot hide in rounding.
+"""
 import pytest
 import torch
 import torch.nn as nn
 
-from conftest import nbytes, saved_for_backward
-from mmplugin_l2.models.layers import (Conv2dCL, ConvDownsample, ConvMlp, ConvStem, ConvStem2L, LinearAttention, Mlp,
-                                      TTTAttention, WindowAttention, rope_tables)
+from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST, nbytes, saved_for_backward
+from mmplugin_l2 import HViT3, L2ViT, ResT, ViT3
+from mmplugin_l2.models.layers import (CPE, EMSA, LCM, PA, Conv2dCL, ConvDownsample, ConvMlp, ConvStem, ConvStem2L,
+                                      LinearAttention, MemoryPolicy, Mlp, ResTPatchEmbed, ResTStem, TTTAttention,
+                                      WindowAttention, rope_tables, set_memory_policy)
 from mmplugin_l2.models.layers.bands import can_run_in_bands
-from mmplugin_l2.models.layers.ttt import ttt_core
 
 
+class RecordingPolicy(MemoryPolicy):
+    """A MemoryPolicy that records which module types got pieces."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.used = set()
+
+    def pieces(self, module, x, whole_elems):
+        piece = super().pieces(module, x, whole_elems)
+        if piece is not None:
+            self.used.add(type(module).__name__)
+        return piece
+
+
+def _random_(module, std=0.3):
+    """Random parameters (all of them, biases too) and BatchNorm statistics that are not the identity."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, std)
+        for m in module.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.normal_()
+                m.running_var.uniform_(0.5, 2)
+    return module.double()
+
+
+def paths(m, args, max_elems, expect_pieces=True):
+    """(inference-path output, autograd-path output) of `m(*args)`, both in eval mode."""
+    policy = RecordingPolicy(max_elems)
+    set_memory_policy(m, policy)
+    m.eval()
+    with torch.no_grad():
+        fast = m(*[a.clone() if torch.is_tensor(a) else a for a in args])
+    leaf = [a.clone().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+    ref = m(*leaf)
+    outs = ref if isinstance(ref, (tuple, list)) else [ref]
+    assert all(o.requires_grad for o in outs)    # the differentiable path really ran
+    if expect_pieces:
+        assert policy.used, 'the inference path took no pieces'
+    detach = [o.detach() for o in outs]
+    return (fast, detach) if isinstance(ref, (tuple, list)) else (fast, detach[0])
+
+
+def close(a, b, tol=1e-10):
+    for u, v in zip(a, b) if isinstance(a, (tuple, list)) else [(a, b)]:
+        assert u.shape == v.shape
+        torch.testing.assert_close(u, v, rtol=0, atol=tol * max(1., v.abs().max().item()))
+
+
+# ---- module by module ----------------------------------------------------------------------------
+def test_mlp_token_chunks():
+    m = _random_(Mlp(8, 32))
+    x = torch.randn(2, 100, 8, dtype=torch.float64)
+    close(*paths(m, (x,), max_elems=2 * 16 * 8))      # chunks of 16 tokens, a partial last one
+
+
+@pytest.mark.parametrize('hw', [(13, 7), (40, 3), (5, 50)])
+def test_conv_mlp_row_bands(hw):
+    """Bands of rows with a halo row each side (band edges, image edges, a last partial band)."""
+    m = _random_(ConvMlp(8, 32))
+    x = torch.randn(2, hw[0] * hw[1], 8, dtype=torch.float64)
+    close(*paths(m, (x, hw), max_elems=2 * 2 * hw[1] * 8))
+
+
+@pytest.mark.parametrize('with_rope', [True, False])
+@pytest.mark.parametrize('max_elems', [2 * 64 * 7, 2 * 64 * 30, None])
+def test_ttt_fused_inference(with_rope, max_elems):
+    """The fused TTT pass (chunks of 7 and 30 tokens, a partial last one, and one chunk) = ttt_core under
+    autograd; several heads, a conv head, inner updates large enough to matter."""
+    m = _random_(TTTAttention(64, 2), std=0.2)
+    hw = (9, 11)
+    x = torch.randn(2, hw[0] * hw[1], 64, dtype=torch.float64)
+    rot = rope_tables(*hw, 64, device='cpu') if with_rope else None
+    if rot is not None:
+        rot = rot.to(torch.complex128) if torch.is_complex(rot) else tuple(t.double() for t in rot)
+    fast, ref = paths(m, (x, hw, rot), max_elems or 10 ** 9, expect_pieces=max_elems is not None)
+    assert ref.abs().max() > 1
+    close(fast, ref)
+
+
+@pytest.mark.parametrize('cls,args,shape', [
+    (ConvStem, (3, 16), (1, 3, 64, 48)), (ConvStem, (3, 16), (2, 3, 37, 29)), (ConvStem, (3, 16), (1, 3, 5, 9)),
+    (ConvDownsample, (16, 32), (1, 16, 20, 30)), (ConvDownsample, (16, 32), (2, 16, 21, 17)),
+    (ConvDownsample, (16, 32), (1, 16, 1, 3)), (ConvStem2L, (3, 16), (1, 3, 64, 48)),
+    (ConvStem2L, (3, 16), (2, 3, 37, 29))])
+@pytest.mark.parametrize('max_elems', [1, 700, 5000])
+def test_conv_chains_in_row_bands(cls, args, shape, max_elems):
+    """Stems and downsampling, band by band of output rows (halo rows recomputed, zero rows only at the
+    image's own top/bottom, odd sizes, batch 2, bands of one row), BN with non-trivial statistics."""
+    m = _random_(cls(*args))
+    x = torch.randn(shape, dtype=torch.float64)
+    whole = x[:, :1].numel() * args[1]          # input pixels x the chain's output channels
+    close(*paths(m, (x,), max_elems, expect_pieces=whole > 2 * max_elems))
+
+
+def test_conv_chains_use_bands_only_when_safe():
+    """No bands while a BatchNorm would update its running statistics, nor in train mode under no_grad."""
+    stem = ConvStem(3, 16)
+    assert not can_run_in_bands(stem.conv.train())
+    assert can_run_in_bands(stem.conv.eval())
+    policy = RecordingPolicy(1)
+    set_memory_policy(stem, policy)
+    with torch.no_grad():
+        stem.train()(torch.randn(2, 3, 32, 32))
+    assert not policy.used
+
+
+def test_linear_attention_chunks_with_the_clamp_binding():
+    """Two chunked passes (K^T V and sum K accumulated over chunks of 7 tokens, a partial last one) = the
+    whole map, with some denominators below the clamp (100) and some above."""
+    m = _random_(LinearAttention(32, 2))
+    x = torch.randn(2, 300, 32, dtype=torch.float64) * 0.2
+    with torch.no_grad():
+        q, k, _ = m.qkv(x).reshape(2, 300, 3, 2, 16).permute(2, 0, 3, 1, 4).relu()
+        denom = q @ k.sum(dim=2, keepdim=True).transpose(-2, -1)
+    frac = (denom < m.clamp_min).double().mean().item()
+    assert 0.1 < frac < 0.9, frac       # the clamp binds for a part of the queries only
+    fast, ref = paths(m, (x,), max_elems=2 * 7 * 32)
+    assert ref.abs().max() > 0.1
+    close(fast, ref)
+
+
+@pytest.mark.parametrize('mask_padding', [False, True])
+@pytest.mark.parametrize('hw', [(20, 33), (28, 14), (5, 9)])
+def test_window_attention_bands(mask_padding, hw):
+    """A band of window rows at a time, with right/bottom padding (masked or not), 2 heads = whole map."""
+    m = _random_(WindowAttention(32, 2, 7, mask_padding=mask_padding))
+    x = torch.randn(2, hw[0] * hw[1], 32, dtype=torch.float64)
+    close(*paths(m, (x, hw), max_elems=1))
+
+
+@pytest.mark.parametrize('cls,args,shape', [(PA, (8,), (2, 8, 7, 9)), (ResTStem, (3, 16), (2, 3, 29, 31)),
+                                            (ResTPatchEmbed, (8, 16), (2, 8, 9, 7))])
+def test_pa_in_place_gate(cls, args, shape):
+    """PA's inference gate (sigmoid in place, times x) = x * sigmoid(DWConv(x)) under autograd."""
+    m = _random_(cls(*args), std=0.5)
+    x = torch.randn(shape, dtype=torch.float64)
+    close(*paths(m, (x,), 10 ** 9, expect_pieces=False))
+
+
+def test_lcm_and_cpe_in_place():
+    m = _random_(LCM(16))
+    x = torch.randn(2, 9 * 11, 16, dtype=torch.float64)
+    close(*paths(m, (x, (9, 11)), 10 ** 9, expect_pieces=False))
+    c = _random_(CPE(16))
+    close(*paths(c, (x, (9, 11)), 10 ** 9, expect_pieces=False))
+
+
+@pytest.mark.parametrize('heads,sr', [(1, 4), (3, 2), (4, 1)])
+def test_emsa_in_place_dense_inference(heads, sr):
+    """EMSA's inference (in-place deviation / IN steps) = the autograd path, with and without head
+    mixing + instance norm, odd map sizes."""
+    m = _random_(EMSA(12 * heads, heads, sr, qkv_bias=True))
+    x = torch.randn(2, 9 * 7, 12 * heads, dtype=torch.float64)
+    close(*paths(m, (x, (9, 7)), 10 ** 9, expect_pieces=False))
+
+
+# ---- whole backbones in eval mode --------------------------------------------------------------
+BACKBONES = {
+    'hvit3': lambda: HViT3(arch=TINY_HVIT3, drop_path_rate=0.),
+    'vit3': lambda: ViT3(arch=dict(embed_dims=32, num_layers=2, num_heads=2), patch_size=8),
+    'l2vit': lambda: L2ViT(arch=TINY_L2VIT, drop_path_rate=0.),
+    'l2vit_masked': lambda: L2ViT(arch=TINY_L2VIT, drop_path_rate=0., mask_window_padding=True),
+    'rest': lambda: ResT(arch=TINY_REST, drop_path_rate=0.),
+}
+
+
+@pytest.mark.parametrize('name', sorted(BACKBONES))
+def test_backbone_inference_path_equals_autograd_path(name):
+    """The whole backbone in eval mode at an odd size, every piece path forced (max_elems 61), = the same
+    backbone with autograd recording (whole maps, out-of-place)."""
+    torch.manual_seed(0)
+    m = _random_(BACKBONES[name](), std=0.1)
+    x = torch.randn(2, 3, 75, 69, dtype=torch.float64)
+    fast, ref = paths(m, (x,), max_elems=61, expect_pieces=name != 'vit3')
+    close(fast, ref, tol=1e-9)
+
+
+# ---- the policy's rule -------------------------------------------------------------------------
+def test_train_mode_under_no_grad_keeps_dropout():
+    """A module in train mode under no_grad (a validation hook, EMA, feature extraction) runs the training
+    function, dropout included, not the inference path."""
+    m = Mlp(8, 32, drop=0.5).train()
+    set_memory_policy(m, dict(max_elems=1))
+    x = torch.randn(2, 100, 8)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        a = m(x)
+    torch.manual_seed(3)
+    b = m(x.clone().requires_grad_())
+    torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
+    with torch.no_grad():
+        assert not torch.allclose(a, m.eval()(x))
+
+
+def test_policy_rule_and_errors():
+    p = MemoryPolicy(10)
+    m = nn.Linear(1, 1).eval()
+    x = torch.zeros(1)
+    with torch.no_grad():
+        assert p.pieces(m, x, 20) is None and p.pieces(m, x, 21) == 10
+        assert MemoryPolicy(10, devices=()).pieces(m, x, 21) is None          # not on this device type
+        assert MemoryPolicy(None).pieces(m, x, 10 ** 12) is None
+        assert p.pieces(m.train(), x, 21) is None
+    assert p.pieces(m.eval(), x, 21) is None                                    # autograd records
+    assert p.train_pieces(20) is None and p.train_pieces(21) == 10
+    assert MemoryPolicy.build(None).max_elems is None
+    with pytest.raises(ValueError, match='max_elems must be a positive int'):
+        MemoryPolicy(0)
+    with pytest.raises(ValueError, match='unknown keys'):
+        MemoryPolicy.build(dict(max_elem=5))
+    with pytest.raises(TypeError, match='memory_policy must be a dict'):
+        MemoryPolicy.build(5)
+
+
+@pytest.mark.parametrize('cfg', [dict(type='HViT3', arch=TINY_HVIT3), dict(type='L2ViT', arch=TINY_L2VIT),
+                                 dict(type='ResT', arch=TINY_REST)])
+def test_one_policy_for_every_layer_from_a_config(cfg):
+    """`memory_policy` from a config reaches every large-map layer; None turns pieces off everywhere."""
+    from mmengine.registry import MODELS
+    for value, expect in ((dict(max_elems=123, devices=('cpu', 'cuda')), 123), (None, None)):
+        m = MODELS.build(dict(cfg, memory_policy=value))
+        layers = [mod for mod in m.modules() if hasattr(mod, 'memory_policy') and mod is not m]
+        assert len(layers) >= 5
+        assert all(mod.memory_policy is m.memory_policy for mod in layers)
+        assert m.memory_policy.max_elems == expect
+    assert MODELS.build(cfg).memory_policy.max_elems == 2 ** 20
+
+
+# ---- recomputation and the channels-last conv --------------------------------------------------------
 def _saved_bytes(fn):
     out, saved = saved_for_backward(fn)
     return out, nbytes(saved)
@@ -34,17 +272,6 @@ def test_mlp_recompute_same_gradients_less_saved(cls):
     assert saved[True] * 4 < saved[False]
 
 
-def test_mlp_token_chunks_equal_whole_map():
-    torch.manual_seed(0)
-    m = Mlp(8, 32).eval()
-    m.chunk_tokens = 16     # 100 tokens -> 7 chunks, the last one partial
-    x = torch.randn(2, 100, 8)
-    with torch.no_grad():
-        chunked = m(x)
-    whole = m.fc2(torch.nn.functional.gelu(m.fc1(x))).detach()
-    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
-
-
 @pytest.mark.parametrize('groups,k,stride', [(16, 3, 1), (16, 7, 1), (1, 3, 2), (1, 1, 1)])
 def test_conv2d_channels_last_equals_conv2d(groups, k, stride):
     torch.manual_seed(0)
@@ -59,114 +286,3 @@ def test_conv2d_channels_last_equals_conv2d(groups, k, stride):
     assert a.is_contiguous(memory_format=torch.channels_last)
     a.sum().backward()
     assert cl.weight.grad.shape == cl.weight.shape
-
-
-@pytest.mark.parametrize('hw', [(13, 7), (40, 3), (5, 50)])
-def test_conv_mlp_row_bands_equal_whole_map(hw):
-    """Inference in bands of rows with one halo row each side = the whole map (band edges, image edges,
-    a last partial band)."""
-    torch.manual_seed(0)
-    m = ConvMlp(8, 32).eval()
-    m.chunk_elems = 2 * 20 * 32     # bands of 20 tokens' hidden activations (at least one row)
-    x = torch.randn(2, hw[0] * hw[1], 8)
-    with torch.no_grad():
-        banded = m(x, hw)
-    assert banded.shape == x.shape
-    with torch.enable_grad():
-        whole = m(x, hw).detach()        # the grad-enabled path takes the whole map
-    torch.testing.assert_close(banded, whole, rtol=0, atol=1e-6)
-
-
-@pytest.mark.parametrize('with_rope', [True, False])
-@pytest.mark.parametrize('chunk_elems', [64 * 7, 64 * 30, 2 ** 20])
-def test_ttt_inference_chunks_equal_plain_path(with_rope, chunk_elems):
-    """The chunked inference TTT layer (qkv, inner models and proj chunk by chunk) = the plain path
-    (the one autograd runs), for chunks of 7 and 30 tokens (a partial last chunk) and one chunk."""
-    torch.manual_seed(0)
-    m = TTTAttention(64, 2).eval()
-    for p in m.parameters():
-        nn.init.normal_(p, std=0.2)
-    m.chunk_elems = chunk_elems
-    hw = (9, 11)
-    x = torch.randn(2, hw[0] * hw[1], 64)
-    rot = rope_tables(*hw, 64) if with_rope else None
-    with torch.no_grad():
-        chunked = m(x, hw, rot)
-        plain = m.proj(ttt_core(m.qkv(x), rot, m.w1, m.w2, m.w3, hw, m.num_heads, m.scale, m.lr))
-    assert plain.abs().max() > 1
-    torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=1e-5)
-    with torch.enable_grad():   # the training path gives the same output too
-        torch.testing.assert_close(m(x, hw, rot), chunked, rtol=1e-6, atol=1e-5)
-
-
-def _random_bn_stats(module):
-    for m in module.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            m.running_mean.normal_()
-            m.running_var.uniform_(0.5, 2)
-            nn.init.normal_(m.weight)
-            nn.init.normal_(m.bias)
-    return module.eval()
-
-
-@pytest.mark.parametrize('cls,args,shape', [
-    (ConvStem, (3, 16), (1, 3, 64, 48)), (ConvStem, (3, 16), (2, 3, 37, 29)), (ConvStem, (3, 16), (1, 3, 5, 9)),
-    (ConvDownsample, (16, 32), (1, 16, 20, 30)), (ConvDownsample, (16, 32), (2, 16, 21, 17)),
-    (ConvDownsample, (16, 32), (1, 16, 1, 3)), (ConvStem2L, (3, 16), (1, 3, 64, 48)),
-    (ConvStem2L, (3, 16), (2, 3, 37, 29))])
-@pytest.mark.parametrize('band_elems', [1, 700, 5000])
-def test_conv_chains_in_row_bands_equal_whole_map(cls, args, shape, band_elems):
-    """Stem and downsampling at inference, band by band of output rows (halo rows recomputed, zero rows
-    only at the image's own top/bottom, odd sizes, batch 2, a band of one row) = the whole-map chain."""
-    torch.manual_seed(0)
-    m = _random_bn_stats(cls(*args))
-    x = torch.randn(shape)
-    with torch.no_grad():
-        m.band_elems = 10 ** 12
-        whole = m(x)
-        m.band_elems = band_elems
-        banded = m(x)
-    assert banded.shape == whole.shape
-    torch.testing.assert_close(banded, whole, rtol=1e-6, atol=1e-5)
-
-
-def test_conv_chains_use_bands_only_when_safe():
-    """No bands while autograd records, nor while a BatchNorm would update its running statistics."""
-    stem = ConvStem(3, 16)
-    with torch.no_grad():
-        assert not can_run_in_bands(stem.conv.train())
-        assert can_run_in_bands(stem.conv.eval())
-    assert not can_run_in_bands(stem.conv)
-
-
-@pytest.mark.parametrize('chunk_elems', [32 * 7, 32 * 64])
-def test_linear_attention_chunks_equal_whole_map(chunk_elems):
-    """L2ViT's linear attention at inference in two chunked passes (K^T V and sum K accumulated over
-    chunks of 7 or 64 tokens, a partial last chunk) = the whole-map computation."""
-    torch.manual_seed(0)
-    m = LinearAttention(32, 2).eval()
-    for p in m.parameters():
-        nn.init.normal_(p, std=0.3)
-    x = torch.randn(2, 300, 32)
-    with torch.no_grad():
-        m.chunk_elems = 10 ** 12
-        whole = m(x)
-        m.chunk_elems = chunk_elems // 2      # per sample of the batch of 2
-        chunked = m(x)
-    assert whole.abs().max() > 1
-    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-5)
-
-
-@pytest.mark.parametrize('mask_padding', [False, True])
-@pytest.mark.parametrize('hw', [(20, 33), (28, 14), (5, 9)])
-def test_window_attention_bands_equal_whole_map(mask_padding, hw):
-    """Window attention at inference, a band of window rows at a time (padding, masks) = whole map."""
-    torch.manual_seed(0)
-    m = WindowAttention(32, 2, 7, mask_padding=mask_padding).eval()
-    x = torch.randn(2, hw[0] * hw[1], 32)
-    with torch.no_grad():
-        m.chunk_elems = 10 ** 12
-        whole = m(x, hw)
-        m.chunk_elems = 1          # one window row per band
-        banded = m(x, hw)
-    torch.testing.assert_close(banded, whole, rtol=0, atol=1e-6)

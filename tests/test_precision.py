@@ -52,11 +52,11 @@ def test_rest_chunked_training_path_is_well_conditioned():
     conv32 = torch.nn.Conv2d(h, h, 1)
     conv32.load_state_dict(conv64.state_dict())
     dout = torch.randn(b, h, n, d, dtype=torch.float64)
-    ref = emsa_attention(q64, k64, v64, d ** -0.5, conv64, chunk_elems=None)
+    ref = emsa_attention(q64, k64, v64, d ** -0.5, conv64, piece=None)
     gref = torch.autograd.grad(ref, [q64, k64, v64, conv64.weight], dout)
     for chunk in (None, b * h * nk * 7):
         q, k, v = (t.detach().float().requires_grad_() for t in (q64, k64, v64))
-        out = emsa_attention(q, k, v, d ** -0.5, conv32, chunk_elems=chunk)
+        out = emsa_attention(q, k, v, d ** -0.5, conv32, piece=chunk)
         assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, chunk
         grads = torch.autograd.grad(out, [q, k, v, conv32.weight], dout.float())
         for g, gr, name in zip(grads, gref, 'q k v w'.split()):

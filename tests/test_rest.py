@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, TINY_REST, saved_for_backward
+from conftest import assert_pyramid_shapes, assert_with_cp_matches, ROOT, TINY_REST, saved_for_backward
 from mmplugin_l2 import ResT
-from mmplugin_l2.models.layers import EMSA, ChunkedEMSAAttention, emsa_attention, naive_emsa_attention
+from mmplugin_l2.models.layers import (EMSA, ChunkedEMSAAttention, emsa_attention, naive_emsa_attention,
+                                      set_memory_policy)
 
 # the authors' classification models (docs/rest.md, Architecture): total parameters incl. the 1000-way head
 CLS_PARAMS = {'lite': 10_508_300, 'small': 13_679_708, 'base': 30_327_052, 'large': 51_676_156}
@@ -37,11 +38,7 @@ def test_shapes_and_strides_any_size(size):
     m = tiny().eval()
     with torch.no_grad():
         outs = m(torch.randn(2, 3, *size))
-    assert len(outs) == 4
-    for i, (o, c) in enumerate(zip(outs, TINY_REST['embed_dims'])):
-        s = 2 ** (i + 2)
-        assert o.shape == (2, c, math.ceil(size[0] / s), math.ceil(size[1] / s)), (i, o.shape)
-        assert torch.isfinite(o).all()
+    assert_pyramid_shapes(outs, size, TINY_REST['embed_dims'])
 
 
 def test_real_small_at_sizes_the_authors_reject():
@@ -118,7 +115,9 @@ def slow_emsa(m, x, hw):
 def test_emsa_against_slow_reference(heads, sr, hw, chunk):
     torch.manual_seed(heads)
     c = 12 * heads
-    m = EMSA(c, heads, sr, qkv_bias=True, chunk_elems=chunk).double()
+    m = EMSA(c, heads, sr, qkv_bias=True, recompute=chunk is not None).double()
+    if chunk is not None:
+        set_memory_policy(m, dict(max_elems=chunk))
     with torch.no_grad():
         for p in m.parameters():
             p.add_(torch.randn_like(p) * 0.3)
@@ -176,7 +175,7 @@ def test_chunked_attention_equals_dense_values_and_grads(h, dtype, tol):
     dense = naive_emsa_attention(q, k, v, d ** -0.5, conv)
     g_dense = torch.autograd.grad(dense, leaves, dout)
     for chunk in (b * h * nk * 5, b * h * nk * 17, 1):  # 5 and 17 rows (53 not divisible), 1 row
-        out = emsa_attention(q, k, v, d ** -0.5, conv, chunk_elems=chunk)
+        out = emsa_attention(q, k, v, d ** -0.5, conv, piece=chunk)
         assert out.grad_fn is not None and 'ChunkedEMSAAttention' in type(out.grad_fn).__name__
         torch.testing.assert_close(out, dense, rtol=tol, atol=tol)
         for g, gd, name in zip(torch.autograd.grad(out, leaves, dout), g_dense, 'q k v w b'.split()):
@@ -202,8 +201,8 @@ def test_chunked_attention_keeps_no_attention_map():
     b, h, n, nk, d = 1, 2, 4096, 64, 4
     map_numel = b * h * n * nk
     q, k, v, conv = qkv_and_conv(b, h, n, nk, d, torch.float32)
-    _, dense = saved_numels(lambda: emsa_attention(q, k, v, 0.3, conv, chunk_elems=None))
-    _, chunked = saved_numels(lambda: emsa_attention(q, k, v, 0.3, conv, chunk_elems=2 ** 14))
+    _, dense = saved_numels(lambda: emsa_attention(q, k, v, 0.3, conv, piece=None))
+    _, chunked = saved_numels(lambda: emsa_attention(q, k, v, 0.3, conv, piece=2 ** 14))
     assert sum(s >= map_numel for s in dense) >= 3  # conv input, softmax output, IN output
     assert max(chunked) < map_numel // 8
     assert sum(chunked) < sum(dense) / 8
@@ -215,8 +214,8 @@ def test_backbone_chunked_equals_dense_values_and_grads(dtype, tol):
     largest output / gradient: some gradients are zero up to rounding (a conv bias before a BatchNorm, the
     head-mixing conv bias under the softmax), so a per-tensor relative check would compare rounding noise."""
     torch.manual_seed(0)
-    dense = tiny(attn_chunk_elems=None).to(dtype).train()
-    chunked = tiny(attn_chunk_elems=97).to(dtype)
+    dense = tiny(recompute=False).to(dtype).train()
+    chunked = tiny(memory_policy=dict(max_elems=97)).to(dtype)
     chunked.load_state_dict(dense.state_dict())
     chunked.train()
     x = torch.randn(2, 3, 70, 90, dtype=dtype)
@@ -230,10 +229,26 @@ def test_backbone_chunked_equals_dense_values_and_grads(dtype, tol):
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=tol * scale, msg=name)
 
 
-def test_dense_path_below_the_chunk_size():
-    q, k, v, conv = qkv_and_conv(1, 2, 10, 4, 3, torch.float32)
-    assert 'ChunkedEMSAAttention' not in type(emsa_attention(q, k, v, 0.5, conv, chunk_elems=80).grad_fn).__name__
-    assert 'ChunkedEMSAAttention' in type(emsa_attention(q, k, v, 0.5, conv, chunk_elems=79).grad_fn).__name__
+def test_dense_path_up_to_twice_the_piece_size():
+    """EMSA in training: dense up to 2 * max_elems map entries, chunked above; never chunked in eval mode
+    or with recompute=False."""
+    m = EMSA(8, 2, 1, qkv_bias=True)
+    x = torch.randn(1, 10, 8)            # 1 x 2 heads x 10 queries x 10 keys = 200 entries
+
+    def chunked(max_elems, train=True, recompute=True):
+        set_memory_policy(m, dict(max_elems=max_elems))
+        m.recompute = recompute
+        m.train(train)
+        calls = []
+        orig = ChunkedEMSAAttention.apply
+        ChunkedEMSAAttention.apply = staticmethod(lambda *a: calls.append(1) or orig(*a))
+        try:
+            m(x, (2, 5))
+        finally:
+            ChunkedEMSAAttention.apply = orig
+        return bool(calls)
+    assert not chunked(100) and chunked(99)
+    assert not chunked(10, train=False) and not chunked(10, recompute=False)
 
 
 # ---------------------------------------------------------------- output norm placement
@@ -322,19 +337,8 @@ def test_norm_eval_keeps_batchnorm_statistics():
 
 @pytest.mark.parametrize('chunk', [None, 97])
 def test_with_cp_same_output_and_grads(chunk):
-    torch.manual_seed(0)
-    a = tiny(attn_chunk_elems=chunk)
-    b = tiny(attn_chunk_elems=chunk, with_cp=True)
-    b.load_state_dict(a.state_dict())
-    a.train(), b.train()
-    x = torch.randn(2, 3, 64, 64)
-    oa, ob = a(x), b(x)
-    for u, v in zip(oa, ob):
-        torch.testing.assert_close(u, v, rtol=0, atol=1e-6)
-    sum(o.square().sum() for o in oa).backward()
-    sum(o.square().sum() for o in ob).backward()
-    for (n, p), q in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
+    kw = dict(recompute=False) if chunk is None else dict(memory_policy=dict(max_elems=chunk))
+    assert_with_cp_matches(lambda **extra: tiny(**kw, **extra))
 
 
 def test_drop_path_schedule():

@@ -8,6 +8,8 @@ A `PyramidBackbone` has a stem `patch_embed` and a ModuleList `layers` of stages
 * `frozen_stages` (-1: none, 0: the stem, i: the stem and stages 0..i-1 with their output norms) and
   `norm_eval` (BatchNorms stay in eval mode while training), honoured by `train()`;
 * `with_cp`: activation checkpointing of each block (`run_block`);
+* `memory_policy`: the one memory policy every large-map layer follows (`layers/memory.py`);
+* `stage_output(i, tokens, hw_shape)`: a stage's tokens through `norm{i}` to an NCHW map;
 * `init_cfg=dict(type='Pretrained', checkpoint=...)`: the authors' checkpoints are converted by the
   subclass's `convert_state_dict` and loaded strictly, with a clear error on keys that do not fit
   (`strict=False` in the init_cfg loads the keys that fit and warns about the others);
@@ -28,7 +30,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..checkpoint import load_pretrained
 from .layers.export import exporting
+from .layers.memory import set_memory_policy
 from .layers.recompute import checkpointed
+from .layers.tokens import tokens_to_map
 
 
 def resolve_arch(arch, arch_zoo, required_keys, name):
@@ -108,8 +112,8 @@ class PyramidBackbone(BaseModule):
     """Base of the 4-stage backbones. Subclasses build `patch_embed` and `layers` then call
     `_init_pyramid`; their `forward` uses `run_block` and `stage_output`."""
 
-    #: the name used in error messages and checkpoint conversion
-    arch_name = 'backbone'
+    #: `stage_output` makes LayerNorm-ed maps NCHW-contiguous (False: the channels-last view of the tokens)
+    contiguous_outputs = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -118,7 +122,7 @@ class PyramidBackbone(BaseModule):
             cls.forward = _guard_forward(fwd)
 
     def _init_pyramid(self, in_channels, stage_channels, out_indices, frozen_stages, norm_eval, with_cp,
-                      out_norm_cfg):
+                      out_norm_cfg, memory_policy=None):
         self.in_channels = in_channels
         self.num_stages = len(stage_channels)
         self.stage_channels = list(stage_channels)
@@ -136,6 +140,7 @@ class PyramidBackbone(BaseModule):
                 self.add_module(f'norm{i}', nn.Identity())
             else:
                 self.add_module(f'norm{i}', build_norm_layer(out_norm_cfg, self.stage_channels[i])[1])
+        self.memory_policy = set_memory_policy(self, memory_policy)
         self._freeze_stages()
 
     @property
@@ -182,15 +187,18 @@ class PyramidBackbone(BaseModule):
                 f'fine-tuning).')
 
     def run_block(self, block, x, *args):
-        """Run one block, through activation checkpointing when `with_cp` and gradients are needed."""
-        return checkpointed(block, x, *args, enabled=self.with_cp and x.requires_grad)
+        """Run one block, through activation checkpointing when `with_cp` and gradients are needed
+        (BatchNorm running statistics updated once per step, not again in the recomputation)."""
+        return checkpointed(block, x, *args, enabled=self.with_cp and x.requires_grad, module=block)
 
-    def stage_output(self, i, x_map):
-        """Apply output norm `norm{i}` to a stage map (B, C, H, W); LayerNorms act over channels."""
+    def stage_output(self, i, tokens, hw_shape):
+        """Stage i's tokens (B, N, C) of an (H, W) map through the output norm `norm{i}`, as an NCHW map
+        (B, C, H, W). A LayerNorm acts on the tokens (over channels); other norms (BN) on the map."""
         norm = getattr(self, f'norm{i}')
         if isinstance(norm, nn.LayerNorm):
-            return norm(x_map.permute(0, 2, 3, 1)).permute(0, 3, 1, 2).contiguous()
-        return norm(x_map)
+            out = tokens_to_map(norm(tokens), hw_shape)
+            return out.contiguous() if self.contiguous_outputs else out
+        return norm(tokens_to_map(tokens, hw_shape))
 
     # ---- freezing -------------------------------------------------------------------------
     def _frozen_modules(self):

@@ -1,7 +1,7 @@
 """Training-step memory of a ResT backbone: dense attention vs the chunked EMSA path (layers/emsa.py).
 
     python tools/analysis/rest_attention_memory.py [--arch small] [--size 512 512] [--batch 1]
-        [--chunk-elems none 4194304 ...] [--threads 2]
+        [--max-elems dense 1048576 ...] [--threads 2]
 
 Every setting runs in a fresh subprocess: build the backbone (train mode, drop path 0), run one forward and
 backward pass on random input, and report
@@ -9,7 +9,8 @@ backward pass on random input, and report
 * the bytes autograd keeps for backward, counted through saved-tensor hooks (each storage once,
   parameters excluded);
 * the step time.
-`--chunk-elems none` is the dense path (the authors' computation). Numbers are for CPU fp32.
+`--max-elems dense` is the dense path (`recompute=False`, the authors' computation); a number N is the
+memory policy `dict(max_elems=N)` (maps of more than 2N entries in chunks of N). Numbers are for CPU fp32.
 """
 import argparse
 import json
@@ -33,8 +34,8 @@ def child(args):
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    chunk = None if args.chunk_elems == 'none' else int(args.chunk_elems)
-    model = ResT(args.arch, drop_path_rate=0., attn_chunk_elems=chunk).train()
+    kw = dict(recompute=False) if args.max_elems == 'dense' else dict(memory_policy=dict(max_elems=int(args.max_elems)))
+    model = ResT(args.arch, drop_path_rate=0., **kw).train()
     x = torch.randn(args.batch, 3, *args.size)
     saved = {}
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -57,7 +58,7 @@ def child(args):
     loss.backward()
     dt = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps(dict(chunk_elems=args.chunk_elems, peak_rss_growth=peak - before, saved_bytes=saved_bytes,
+    print(json.dumps(dict(max_elems=args.max_elems, peak_rss_growth=peak - before, saved_bytes=saved_bytes,
                           step_seconds=dt, loss=loss.item())))
 
 
@@ -66,17 +67,17 @@ def main():
     p.add_argument('--arch', default='small')
     p.add_argument('--size', type=int, nargs=2, default=(512, 512), metavar=('H', 'W'))
     p.add_argument('--batch', type=int, default=1)
-    p.add_argument('--chunk-elems', nargs='+', default=['none', str(2 ** 22)])
+    p.add_argument('--max-elems', nargs='+', default=['dense', str(2 ** 20)])
     p.add_argument('--threads', type=int, default=2)
     p.add_argument('--child', action='store_true', help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        args.chunk_elems = args.chunk_elems[0]
+        args.max_elems = args.max_elems[0]
         return child(args)
     rows = []
-    for ce in args.chunk_elems:
+    for ce in args.max_elems:
         cmd = [sys.executable, osp.abspath(__file__), '--child', '--arch', args.arch, '--size', *map(str, args.size),
-               '--batch', str(args.batch), '--chunk-elems', ce, '--threads', str(args.threads)]
+               '--batch', str(args.batch), '--max-elems', ce, '--threads', str(args.threads)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             sys.exit(r.stderr)
@@ -84,14 +85,14 @@ def main():
     gib = 2 ** 30
     print(f'ResT-{args.arch}, {args.batch} x 3 x {args.size[0]} x {args.size[1]}, train step (forward + backward), '
           f'CPU fp32')
-    print(f'{"attn_chunk_elems":>18} {"peak RSS growth":>16} {"saved for backward":>19} {"step":>8} {"loss":>12}')
+    print(f'{"max_elems":>18} {"peak RSS growth":>16} {"saved for backward":>19} {"step":>8} {"loss":>12}')
     for r in rows:
-        print(f'{r["chunk_elems"]:>18} {r["peak_rss_growth"] / gib:>12.3f} GiB {r["saved_bytes"] / gib:>15.3f} GiB '
+        print(f'{r["max_elems"]:>18} {r["peak_rss_growth"] / gib:>12.3f} GiB {r["saved_bytes"] / gib:>15.3f} GiB '
               f'{r["step_seconds"]:>7.2f}s {r["loss"]:>12.6f}')
     base = rows[0]
     for r in rows[1:]:
         ratio = {k: r[k] / base[k] for k in ('peak_rss_growth', 'saved_bytes', 'step_seconds')}
-        print(f'{r["chunk_elems"]} vs {base["chunk_elems"]}: peak RSS growth x{ratio["peak_rss_growth"]:.3f}, '
+        print(f'{r["max_elems"]} vs {base["max_elems"]}: peak RSS growth x{ratio["peak_rss_growth"]:.3f}, '
               f'saved x{ratio["saved_bytes"]:.3f}, time x{ratio["step_seconds"]:.2f}')
 
 

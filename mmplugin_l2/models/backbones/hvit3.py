@@ -90,6 +90,9 @@ class HViT3(PyramidBackbone):
         out_norm_cfg (dict | None): norm of each returned stage (`norm{i}`); dict(type='LN') is mmdet's
             side-branch convention, dict(type='BN') on stage 3 reproduces the authors' classification
             BatchNorm1d over tokens. Default: dict(type='LN').
+        memory_policy (dict | None): how large a map a layer builds at once: dict(max_elems, devices), see
+            `layers/memory.py` (pieces of about `max_elems` elements at inference on the `devices` once a
+            map has twice that; None: whole maps). Default: dict(max_elems=2**20, devices=('cpu',)).
         init_cfg (dict | None): dict(type='Pretrained', checkpoint=PATH) loads the authors'
             classification (or dense-prediction) checkpoints, see `convert_state_dict`.
     """
@@ -104,7 +107,8 @@ class HViT3(PyramidBackbone):
 
     def __init__(self, arch='tiny', in_channels=3, mlp_ratio=4., qkv_bias=True, drop_rate=0.,
                  drop_path_rate=0.1, out_indices=(0, 1, 2, 3), frozen_stages=-1, norm_eval=False,
-                 with_cp=False, recompute=True, out_norm_cfg=dict(type='LN'), init_cfg=None):
+                 with_cp=False, recompute=True, out_norm_cfg=dict(type='LN'),
+                 memory_policy=dict(max_elems=2 ** 20, devices=('cpu',)), init_cfg=None):
         super().__init__(init_cfg=init_cfg)
         self.arch_settings = a = resolve_arch(arch, self.arch_zoo, ('embed_dims', 'depths', 'num_heads'),
                                               'HViT3')
@@ -125,7 +129,8 @@ class HViT3(PyramidBackbone):
                 drop_paths=dpr[start:start + depth], mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop=drop_rate,
                 recompute=recompute))
         self.apply(_init_linear_and_ln)
-        self._init_pyramid(in_channels, dims, out_indices, frozen_stages, norm_eval, with_cp, out_norm_cfg)
+        self._init_pyramid(in_channels, dims, out_indices, frozen_stages, norm_eval, with_cp, out_norm_cfg,
+                           memory_policy)
 
     def forward(self, x):
         x = self.patch_embed(x)
@@ -137,7 +142,7 @@ class HViT3(PyramidBackbone):
             for block in stage.blocks:
                 x = self.run_block(block, x, hw, rope)
             if i in self.out_indices:
-                outs.append(self.stage_output(i, tokens_to_map(x, hw)))
+                outs.append(self.stage_output(i, x, hw))
             if stage.downsample is not None:
                 x = stage.downsample(tokens_to_map(x, hw))
                 hw = tuple(x.shape[-2:])
@@ -187,7 +192,7 @@ class ViT3(PyramidBackbone):
 
     def __init__(self, arch='tiny', patch_size=16, in_channels=3, mlp_ratio=4., qkv_bias=True, drop_rate=0.,
                  drop_path_rate=0., out_indices=(-1,), frozen_stages=-1, norm_eval=False, with_cp=False,
-                 init_cfg=None):
+                 recompute=True, memory_policy=dict(max_elems=2 ** 20, devices=('cpu',)), init_cfg=None):
         super().__init__(init_cfg=init_cfg)
         self.arch_settings = a = resolve_arch(arch, self.arch_zoo, ('embed_dims', 'num_layers', 'num_heads'),
                                               'ViT3')
@@ -199,11 +204,13 @@ class ViT3(PyramidBackbone):
         self.pos_drop = nn.Dropout(drop_rate)
         dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
         self.blocks = nn.ModuleList([
-            TTTBlock(dim, a['num_heads'], mlp_ratio, qkv_bias, drop_rate, dpr[j], norm_eps=1e-6, conv_mlp=False)
+            TTTBlock(dim, a['num_heads'], mlp_ratio, qkv_bias, drop_rate, dpr[j], norm_eps=1e-6, conv_mlp=False,
+                     recompute=recompute)
             for j in range(depth)])
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self.apply(_init_linear_and_ln)
-        self._init_pyramid(in_channels, [dim] * depth, out_indices, frozen_stages, norm_eval, with_cp, None)
+        self._init_pyramid(in_channels, [dim] * depth, out_indices, frozen_stages, norm_eval, with_cp, None,
+                           memory_policy)
 
     @property
     def layers(self):

@@ -32,19 +32,14 @@ sum in another order than their NCHW convs and explicit softmax), with these doc
 Padding as theirs: the stem pads right/bottom to a multiple of 4 and each downsampling pads an odd side by
 one, so stage i of an H x W input is ceil(H / 2^(i+2)) x ceil(W / 2^(i+2)).
 """
-import contextlib
-from functools import partial
-
 import torch
 import torch.nn as nn
 from mmcv.cnn.bricks import DropPath
 from mmengine.model.weight_init import trunc_normal_
 from mmengine.registry import MODELS
-from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..layers import (CPE, LCM, ConvStem2L, LinearAttention, Mlp, WindowAttention, map_to_tokens,
-                      pad_to_multiple, tokens_to_map)
-from ..layers.recompute import checkpointed
+from ..layers import LCM, L2ViTDownsample, L2ViTStem, LinearAttention, Mlp, ResidualCPE, WindowAttention
+from ..layers.recompute import recomputed_branch as _branch
 from ..pyramid import PyramidBackbone, resolve_arch
 
 
@@ -54,61 +49,6 @@ def _init_authors(m):
         trunc_normal_(m.weight, std=.02)
         if m.bias is not None:
             nn.init.zeros_(m.bias)
-
-
-class ResidualCPE(nn.Module):
-    """x + CPE(x) on tokens (B, N, C) of an (H, W) map (the authors' `CPE`, conv under key `proj`).
-
-    The conv runs channels-last on the token map (no NCHW copy; float rounding differs from the authors'
-    NCHW conv at the 1e-7 level) and the residual is added into its output."""
-
-    def __init__(self, dim):
-        super().__init__()
-        self.proj = CPE(dim, 3)
-
-    def forward(self, x, hw_shape):
-        return self.proj(x, hw_shape).add_(x)
-
-
-class L2ViTStem(nn.Module):
-    """Image (B, 3, H, W) -> tokens (B, N, C) after ConvStem2L and a LayerNorm, with their (H/4, W/4)."""
-
-    def __init__(self, in_channels, embed_dim):
-        super().__init__()
-        self.proj = ConvStem2L(in_channels, embed_dim)
-        self.norm = nn.LayerNorm(embed_dim)
-
-    def forward(self, x):
-        x = self.proj(x)
-        hw = tuple(x.shape[-2:])
-        return self.norm(map_to_tokens(x)), hw
-
-
-class L2ViTDownsample(nn.Module):
-    """Tokens (B, H*W, C_in) -> LayerNorm -> map, odd sides zero-padded by one -> Conv2x2 s2 ->
-    tokens (B, ceil(H/2)*ceil(W/2), C_out) with their map size. No norm after the conv."""
-
-    def __init__(self, in_channels, out_channels):
-        super().__init__()
-        self.norm = nn.LayerNorm(in_channels)
-        self.proj = nn.Conv2d(in_channels, out_channels, 2, stride=2)
-
-    def forward(self, x, hw_shape):
-        # NCHW like the authors: a channels-last 2x2 conv here costs little time but moves the later
-        # stages' rounding most
-        x = pad_to_multiple(tokens_to_map(self.norm(x), hw_shape).contiguous(), 2)
-        x = self.proj(x)
-        return map_to_tokens(x), tuple(x.shape[-2:])
-
-
-def _branch(block, norm, module, x, *args):
-    """module(norm(x), *args); with `block.recompute` in a training step, checkpointed: only x (the
-    residual stream, which autograd keeps anyway) is kept for backward and the branch, its LayerNorm
-    included, is recomputed there (BatchNorm statistics updated once)."""
-    def fn(t, *a):
-        return module(norm(t), *a)
-    return checkpointed(fn, x, *args, enabled=block.recompute and block.training,
-                        context_fn=partial(_checkpoint_contexts, module))
 
 
 class LWABlock(nn.Module):
@@ -156,28 +96,6 @@ class LGABlock(nn.Module):
         return self.drop_path(_branch(self, self.norm2, self.mlp, x)).add_(x)
 
 
-@contextlib.contextmanager
-def _frozen_bn_statistics(module):
-    """BatchNorms keep normalising with batch statistics but do not update their running ones (momentum
-    0): the recomputation of a checkpointed block must not count the batch twice."""
-    bns = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.training]
-    saved = [(m.momentum, m.num_batches_tracked.clone() if m.num_batches_tracked is not None else None)
-             for m in bns]
-    for m in bns:
-        m.momentum = 0.
-    try:
-        yield
-    finally:
-        for m, (momentum, tracked) in zip(bns, saved):
-            m.momentum = momentum
-            if tracked is not None:
-                m.num_batches_tracked.copy_(tracked)
-
-
-def _checkpoint_contexts(block):
-    return contextlib.nullcontext(), _frozen_bn_statistics(block)
-
-
 @MODELS.register_module()
 class L2ViT(PyramidBackbone):
     """L2ViT backbone.
@@ -207,6 +125,9 @@ class L2ViT(PyramidBackbone):
         recompute (bool): in training, keep only the input of each LN + attention / LCM / MLP branch for
             backward and recompute the branch there (same gradients; ~30-40 % less memory per step, about
             a third more backward time). Default: True.
+        memory_policy (dict | None): how large a map a layer builds at once: dict(max_elems, devices), see
+            `layers/memory.py` (pieces of about `max_elems` elements at inference on the `devices` once a
+            map has twice that; None: whole maps). Default: dict(max_elems=2**20, devices=('cpu',)).
         init_cfg (dict | None): dict(type='Pretrained', checkpoint=PATH) loads the authors' release files
             (`L2ViT-{Tiny,Small,Base}-checkpoint-best-ema.pth`, weights under `model`) or converted ones.
     """
@@ -223,7 +144,8 @@ class L2ViT(PyramidBackbone):
 
     def __init__(self, arch='tiny', in_channels=3, window_size=None, mask_window_padding=False,
                  mlp_ratio=4., qkv_bias=True, drop_path_rate=0.1, out_indices=(0, 1, 2, 3), final_norm=False,
-                 frozen_stages=-1, norm_eval=False, with_cp=False, recompute=True, init_cfg=None):
+                 frozen_stages=-1, norm_eval=False, with_cp=False, recompute=True,
+                 memory_policy=dict(max_elems=2 ** 20, devices=('cpu',)), init_cfg=None):
         super().__init__(init_cfg=init_cfg)
         self.arch_settings = a = resolve_arch(arch, self.arch_zoo, ('embed_dims', 'depths', 'num_heads'),
                                               'L2ViT')
@@ -248,7 +170,7 @@ class L2ViT(PyramidBackbone):
                 for j in range(depth)]))
         self.apply(_init_authors)
         self._init_pyramid(in_channels, dims, out_indices, frozen_stages, norm_eval, with_cp,
-                           dict(type='LN'))
+                           dict(type='LN'), memory_policy)
         if final_norm and len(dims) - 1 not in self.out_indices:
             raise ValueError(f'L2ViT: final_norm=True needs the last stage ({len(dims) - 1}) in out_indices, '
                              f'got {self.out_indices}')
@@ -264,12 +186,6 @@ class L2ViT(PyramidBackbone):
         return [nn.ModuleList([self.stages[0]])] + [
             nn.ModuleList([self.downsample_layers[i], self.stages[i]]) for i in range(1, self.num_stages)]
 
-    def run_block(self, block, x, *args):
-        """As PyramidBackbone.run_block, but BatchNorm running statistics are updated only once per step
-        under activation checkpointing (not again when the block is recomputed in the backward)."""
-        return checkpointed(block, x, *args, enabled=self.with_cp and x.requires_grad,
-                            context_fn=partial(_checkpoint_contexts, block))
-
     def forward(self, x):
         outs = []
         for i in range(self.num_stages):
@@ -280,7 +196,7 @@ class L2ViT(PyramidBackbone):
             for block in self.stages[i]:
                 x = self.run_block(block, x, hw)
             if i in self.out_indices:
-                outs.append(self.stage_output(i, tokens_to_map(x, hw)))
+                outs.append(self.stage_output(i, x, hw))
         return tuple(outs)
 
     # ---- checkpoints --------------------------------------------------------------------------

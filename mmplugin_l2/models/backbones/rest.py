@@ -18,9 +18,9 @@ Differences from the authors' code, each one documented here:
   them in the main path, so the normalised map also feeds the next stage, and a stage's features then depend
   on which earlier stages are returned (Mask R-CNN and RetinaNet differ). `norm_in_path=True` reproduces it.
   Either way the stage-4 norm `norm3` takes the pretrained final `norm`.
-* Attention memory. Large attention maps are processed in query chunks, with recomputation in backward and
-  exact full-map instance-norm statistics (`layers/emsa.py`, `attn_chunk_elems`). The dense path is used up
-  to 2**22 entries per map.
+* Attention memory. In training, large attention maps are processed in query chunks, with recomputation in
+  backward and exact full-map instance-norm statistics (`layers/emsa.py`; `recompute`, chunk size from
+  `memory_policy`).
 * `frozen_stages`, `norm_eval`, `with_cp` follow OpenMMLab conventions. The authors' FREEZE_AT >= 1 raises.
 """
 import re
@@ -31,7 +31,6 @@ from mmengine.model.weight_init import trunc_normal_
 from mmengine.registry import MODELS
 
 from ..layers import EMSA, Mlp, ResTPatchEmbed, ResTStem, map_to_tokens, tokens_to_map
-from ..layers.emsa import DEFAULT_CHUNK_ELEMS
 from ..pyramid import PyramidBackbone, resolve_arch
 
 
@@ -51,11 +50,11 @@ class ResTBlock(nn.Module):
     """Pre-norm ResT block on tokens (B, N, C) of an (H, W) map: EMSA and MLP (hidden 4C, exact GELU)."""
 
     def __init__(self, dim, num_heads, sr_ratio, mlp_ratio=4., qkv_bias=True, drop=0., attn_drop=0.,
-                 drop_path=0., chunk_elems=DEFAULT_CHUNK_ELEMS):
+                 drop_path=0., recompute=True):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
         self.attn = EMSA(dim, num_heads, sr_ratio, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop,
-                         chunk_elems=chunk_elems)
+                         recompute=recompute)
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
@@ -102,9 +101,12 @@ class ResT(PyramidBackbone):
         norm_in_path (bool): False (default), the output norms form a side branch (mmdet, the paper);
             True, the normalised map of a returned stage also feeds the next stage, as in the authors'
             detectron2 backbone. Use True to reproduce their detectors exactly, e.g. with their d2 weights.
-        attn_chunk_elems (int | None): attention maps with more entries are computed in query chunks of at
-            most this size, with recomputation in backward (same values, far less memory). None: always
-            dense. Default: 2**22.
+        recompute (bool): in training, attention maps of more than twice the memory policy's `max_elems`
+            entries are computed in query chunks of that size, recomputed in backward (same values, far
+            less memory). False: always dense. Default: True.
+        memory_policy (dict | None): how large a map a layer builds at once: dict(max_elems, devices), see
+            `layers/memory.py` (pieces of about `max_elems` elements at inference on the `devices` once a
+            map has twice that; None: whole maps). Default: dict(max_elems=2**20, devices=('cpu',)).
         init_cfg (dict | None): dict(type='Pretrained', checkpoint=PATH) loads the authors' classification
             checkpoints ({'model': ...}), their detectron2 checkpoints, or files converted by
             tools/convert_checkpoint.py; see `convert_state_dict`.
@@ -119,11 +121,14 @@ class ResT(PyramidBackbone):
                                              num_heads=[1, 2, 4, 8])),
     }
     default_sr_ratios = [8, 4, 2, 1]
+    #: the LayerNorm-ed maps are the tokens' (B, C, H, W) view, as in the authors' code: the same memory
+    #: layout feeds the next stage (in-path norms) or the classifier's pooling (bit-identical to theirs)
+    contiguous_outputs = False
 
     def __init__(self, arch='small', in_channels=3, mlp_ratio=4., qkv_bias=True, drop_rate=0., attn_drop_rate=0.,
                  drop_path_rate=0.1, out_indices=(0, 1, 2, 3), frozen_stages=-1, norm_eval=False, with_cp=False,
-                 out_norm_cfg=dict(type='LN'), norm_in_path=False, attn_chunk_elems=DEFAULT_CHUNK_ELEMS,
-                 init_cfg=None):
+                 out_norm_cfg=dict(type='LN'), norm_in_path=False, recompute=True,
+                 memory_policy=dict(max_elems=2 ** 20, devices=('cpu',)), init_cfg=None):
         super().__init__(init_cfg=init_cfg)
         self.arch_settings = a = resolve_arch(arch, self.arch_zoo, ('embed_dims', 'depths', 'num_heads'), 'ResT')
         self.arch_desc = arch if isinstance(arch, str) else 'custom'
@@ -142,9 +147,10 @@ class ResT(PyramidBackbone):
             self.layers.append(ResTStage(
                 dims[i - 1] if i > 0 else None, dim, depth, nh, sr, drop_paths=dpr[start:start + depth],
                 mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop=drop_rate, attn_drop=attn_drop_rate,
-                chunk_elems=attn_chunk_elems))
+                recompute=recompute))
         self.apply(_init_rest_weights)
-        self._init_pyramid(in_channels, dims, out_indices, frozen_stages, norm_eval, with_cp, out_norm_cfg)
+        self._init_pyramid(in_channels, dims, out_indices, frozen_stages, norm_eval, with_cp, out_norm_cfg,
+                           memory_policy)
 
     def forward(self, x):
         x = self.patch_embed(x)
@@ -163,15 +169,6 @@ class ResT(PyramidBackbone):
                 if self.norm_in_path:
                     x = y
         return tuple(outs)
-
-    def stage_output(self, i, tokens, hw_shape):
-        """norm{i} of stage i as an NCHW map. A LayerNorm acts on the tokens (B, N, C) and the map is their
-        (B, C, H, W) view, as in the authors' code: the same memory layout feeds the next stage (in-path
-        norms) or the pooling of the classifier, so the results are bit-identical to theirs."""
-        norm = getattr(self, f'norm{i}')
-        if isinstance(norm, (nn.LayerNorm, nn.Identity)):
-            return tokens_to_map(norm(tokens), hw_shape)
-        return super().stage_output(i, tokens_to_map(tokens, hw_shape))
 
     # ---- weights ---------------------------------------------------------------------------
     def _last_norm(self):

@@ -1,22 +1,30 @@
-"""Building blocks named after the papers, shared by the backbone families."""
+"""Building blocks, one module per paper concept, shared by the three backbone families.
+
+Paper concepts: `ttt` (TTT layer and its inner models), `rope`, `cpe`, `lcm`, `linear_attention` (LGA),
+`window_attention` (LWA), `emsa`, `pa`, `stems` (stems and downsamplings of all three families), `mlp`.
+Mechanics: `memory` (the memory policy: pieces and recomputation), `recompute`, `bands`, `tokens`
+(token / map reshapes, padding), `conv`, `dtypes`, `export`.
+"""
 from .conv import Conv2dCL, ConvLayer
-from .cpe import CPE, map_to_tokens, tokens_conv, tokens_to_map
+from .cpe import CPE, ResidualCPE
+from .emsa import EMSA, ChunkedEMSAAttention, emsa_attention, naive_emsa_attention
+from .lcm import LCM
+from .linear_attention import LinearAttention
+from .memory import MemoryPolicy, set_memory_policy
 from .mlp import ConvMlp, Mlp
+from .pa import PA
 from .rope import apply_rope, rope_tables
-from .stem import ConvDownsample, ConvStem, pad_to_multiple
-from .stem import ConvStem2L  # noqa: E402  (L2ViT)
-from .linear_attention import LCM, LinearAttention  # noqa: E402  (L2ViT)
-from .window_attention import WindowAttention, window_partition, window_reverse  # noqa: E402  (L2ViT)
+from .stems import (ConvDownsample, ConvStem, ConvStem2L, L2ViTDownsample, L2ViTStem, ResTPatchEmbed,
+                    ResTStem)
+from .tokens import map_to_tokens, pad_to_multiple, tokens_conv, tokens_to_map
 from .ttt import TTTAttention, dwconv_inner_grad, normalize_inner_grad, swiglu_inner_grads
+from .window_attention import WindowAttention, window_partition, window_reverse
 
-__all__ = ['Conv2dCL', 'ConvLayer', 'CPE', 'map_to_tokens', 'tokens_conv', 'tokens_to_map', 'ConvMlp', 'Mlp', 'apply_rope',
-           'rope_tables', 'ConvDownsample', 'ConvStem', 'pad_to_multiple', 'TTTAttention',
-           'dwconv_inner_grad', 'normalize_inner_grad', 'swiglu_inner_grads']
-__all__ += ['ConvStem2L', 'LCM', 'LinearAttention', 'WindowAttention', 'window_partition', 'window_reverse']
-from .pa import PA  # noqa: E402  (ResT)
-from .rest_stem import ResTStem  # noqa: E402  (ResT)
-from .rest_patch_embed import ResTPatchEmbed  # noqa: E402  (ResT)
-from .emsa import EMSA, ChunkedEMSAAttention, emsa_attention, naive_emsa_attention  # noqa: E402  (ResT)
-
-__all__ += ['PA', 'ResTStem', 'ResTPatchEmbed', 'EMSA', 'ChunkedEMSAAttention', 'emsa_attention',
-            'naive_emsa_attention']
+__all__ = [
+    'Conv2dCL', 'ConvLayer', 'CPE', 'ResidualCPE', 'EMSA', 'ChunkedEMSAAttention', 'emsa_attention',
+    'naive_emsa_attention', 'LCM', 'LinearAttention', 'MemoryPolicy', 'set_memory_policy', 'ConvMlp', 'Mlp',
+    'PA', 'apply_rope', 'rope_tables', 'ConvDownsample', 'ConvStem', 'ConvStem2L', 'L2ViTDownsample',
+    'L2ViTStem', 'ResTPatchEmbed', 'ResTStem', 'map_to_tokens', 'pad_to_multiple', 'tokens_conv',
+    'tokens_to_map', 'TTTAttention', 'dwconv_inner_grad', 'normalize_inner_grad', 'swiglu_inner_grads',
+    'WindowAttention', 'window_partition', 'window_reverse',
+]

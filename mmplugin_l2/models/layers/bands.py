@@ -19,7 +19,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .conv import Conv2dCL
-from .export import eager_inference
 
 
 class ConvBNAct(NamedTuple):
@@ -38,9 +37,8 @@ def _geometry(conv):
 
 
 def can_run_in_bands(layers):
-    """True when no autograd is recorded and no BatchNorm of the chain would update its statistics."""
-    return eager_inference() and all(
-        layer.norm is None or not layer.norm.training for layer in layers)
+    """True when no BatchNorm of the chain would update its statistics (the caller checks the mode)."""
+    return all(layer.norm is None or not layer.norm.training for layer in layers)
 
 
 def _layer_rows(layer, x, top, bottom):

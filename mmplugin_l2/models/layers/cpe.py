@@ -1,10 +1,14 @@
 """CPE, conditional positional encoding: a depth-wise 3x3 convolution over the token map.
 
-It is an `nn.Conv2d` (a channels-last `Conv2dCL`; keys `weight`, `bias`) so the authors' checkpoints load unchanged; `forward` takes
-tokens (B, N, C) with their map size (H, W) and returns the conv output as tokens (B, N, C). The caller adds
-the residual (x = x + cpe(x, hw)).
+`CPE` is an `nn.Conv2d` (a channels-last `Conv2dCL`; keys `weight`, `bias`) so the authors' checkpoints load
+unchanged; `forward` takes tokens (B, N, C) with their map size (H, W) and returns the conv output as tokens
+(B, N, C); the caller adds the residual (H-ViT3: x = x + cpe(x, hw)). `ResidualCPE` is L2ViT's form,
+x + CPE(x), with the conv under the key `proj`.
 """
+import torch.nn as nn
+
 from .conv import Conv2dCL
+from .tokens import tokens_conv
 
 
 class CPE(Conv2dCL):
@@ -16,25 +20,15 @@ class CPE(Conv2dCL):
         return tokens_conv(super().forward, x, hw_shape)
 
 
-def tokens_to_map(x, hw_shape):
-    """(B, N, C) tokens -> (B, C, H, W) map."""
-    b, n, c = x.shape
-    check_token_count(n, hw_shape)
-    return x.transpose(1, 2).reshape(b, c, *hw_shape)
+class ResidualCPE(nn.Module):
+    """x + CPE(x) on tokens (B, N, C) of an (H, W) map (the authors' L2ViT `CPE`, conv under key `proj`).
 
+    The conv runs channels-last on the token map (no NCHW copy; float rounding differs from the authors'
+    NCHW conv at the 1e-7 level) and the residual is added into its output."""
 
-def check_token_count(n, hw_shape):
-    """Raise ValueError unless n tokens form an (H, W) map."""
-    h, w = hw_shape
-    if n != h * w:
-        raise ValueError(f'{n} tokens do not form a {h}x{w} map')
+    def __init__(self, dim):
+        super().__init__()
+        self.proj = CPE(dim, 3)
 
-
-def map_to_tokens(x):
-    """(B, C, H, W) map -> (B, H*W, C) tokens."""
-    return x.flatten(2).transpose(1, 2)
-
-
-def tokens_conv(fn, x, hw_shape):
-    """Apply an NCHW function `fn` to tokens (B, N, C) and return tokens."""
-    return map_to_tokens(fn(tokens_to_map(x, hw_shape)))
+    def forward(self, x, hw_shape):
+        return self.proj(x, hw_shape).add_(x)

@@ -39,7 +39,8 @@ centred keys. In float64 both forms equal the authors' code to rounding (tests/t
 
 Memory. The attention map has B * h * N * N' entries. For an 800 x 1344 image, stage 1 has
 67,200 x 1,050 = 70.6 M entries per image and block. Autograd keeps several such maps per block. Once a map
-has more than `chunk_elems` entries in a step that records autograd, `emsa_attention` switches to
+has more than twice the memory policy's `max_elems` entries in a training step (`recompute=True`, train mode,
+autograd recording; `memory.MemoryPolicy.train_pieces`), `emsa_attention` switches to
 `ChunkedEMSAAttention`. That path runs over blocks of queries and keeps only q, k, v, the output and one
 scalar per (image, head), and the backward pass recomputes the maps block by block. The rows of G are
 independent, so only the IN scale needs all queries:
@@ -49,17 +50,16 @@ independent, so only the IN scale needs all queries:
   sum(dA * A) = sum(dout * out).
 Both paths compute the same function and differ only by float rounding (see tests/test_rest.py).
 Inference (no autograd) takes the dense path with in-place elementwise steps: nothing is kept there, and the
-transient maps of one block are small next to a training step's saved tensors.
+transient maps of one block are small next to a training step's saved tensors. (The instance norm needs the
+whole map's statistics, so inference pieces would cost a second pass over the logits.)
 """
 import torch
 import torch.nn as nn
 
-from .cpe import map_to_tokens, tokens_to_map
 from .dtypes import autocast_off, compute_dtype
 from .export import exporting
-
-#: default size limit of an attention map held at once: 2**22 entries = 16 MiB in fp32
-DEFAULT_CHUNK_ELEMS = 2 ** 22
+from .memory import DEFAULT_POLICY, recomputes
+from .tokens import map_to_tokens, tokens_to_map
 
 #: logits above this are shifted down per row before exp (exact: softmax is shift-invariant)
 _EXP_LIMIT = 64.0
@@ -231,19 +231,18 @@ class ChunkedEMSAAttention(torch.autograd.Function):
         return dq, dk, dv, dw, None, None, None
 
 
-def emsa_attention(q, k, v, scale, transform_conv=None, eps=1e-5, chunk_elems=DEFAULT_CHUNK_ELEMS):
+def emsa_attention(q, k, v, scale, transform_conv=None, eps=1e-5, piece=None):
     """A @ v for q (B, h, N, d), k, v (B, h, N', d).
 
-    When autograd records (a training step) and the map has more than `chunk_elems` entries, this is
-    `ChunkedEMSAAttention` with blocks of at most that size. Otherwise, and always when `chunk_elems` is
-    None, it is the dense path. Without autograd nothing is kept for backward, so the dense maps are only
-    transient."""
+    With `piece` (entries of the map per block) and autograd recording, this is `ChunkedEMSAAttention`
+    with query blocks of at most that many entries. Otherwise it is the dense path; without autograd
+    nothing is kept for backward, so the dense maps are only transient."""
     b, h, n, _ = q.shape
     n_keys = k.shape[2]
     records = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if chunk_elems is None or not records or b * h * n * n_keys <= chunk_elems:
+    if piece is None or not records:
         return naive_emsa_attention(q, k, v, scale, transform_conv, eps)
-    rows = max(1, chunk_elems // (b * h * n_keys))
+    rows = max(1, piece // (b * h * n_keys))
     weight = transform_conv.weight if transform_conv is not None else None
     kc = centred_keys(k, transform_conv.bias if transform_conv is not None else None)
     return ChunkedEMSAAttention.apply(q, kc, v, weight, scale, eps, rows)
@@ -259,19 +258,22 @@ class EMSA(nn.Module):
         attn_drop (float): dropout on the attention map (0 in ResT; > 0 forces the dense path in training).
         proj_drop (float): dropout after `proj`.
         apply_transform (bool): the head-mixing conv + IN when num_heads > 1. Default: True.
-        chunk_elems (int | None): maps with more entries go through `ChunkedEMSAAttention`; None: always
-            dense. Default: 2**22.
+        recompute (bool): in training, large maps go through `ChunkedEMSAAttention` (blocks of queries,
+            recomputed in backward; sizes from the memory policy). False: always dense. Default: True.
     """
 
+    #: the block size of `ChunkedEMSAAttention` in training
+    memory_policy = DEFAULT_POLICY
+
     def __init__(self, dim, num_heads, sr_ratio=1, qkv_bias=False, qk_scale=None, attn_drop=0., proj_drop=0.,
-                 apply_transform=True, chunk_elems=DEFAULT_CHUNK_ELEMS):
+                 apply_transform=True, recompute=True):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f'EMSA: dim {dim} is not divisible by num_heads {num_heads}')
         self.num_heads = num_heads
         self.scale = qk_scale or (dim // num_heads) ** -0.5
         self.sr_ratio = sr_ratio
-        self.chunk_elems = chunk_elems
+        self.recompute = recompute
         self.q = nn.Linear(dim, dim, bias=qkv_bias)
         self.kv = nn.Linear(dim, dim * 2, bias=qkv_bias)
         self.attn_drop = nn.Dropout(attn_drop)
@@ -298,5 +300,6 @@ class EMSA(nn.Module):
         if self.attn_drop.p > 0 and self.training:  # a random mask cannot be recomputed: dense path
             out = naive_emsa_attention(q, k, v, self.scale, conv, eps, self.attn_drop)
         else:
-            out = emsa_attention(q, k, v, self.scale, conv, eps, self.chunk_elems)
+            piece = self.memory_policy.train_pieces(b * h * n * k.shape[2]) if recomputes(self) else None
+            out = emsa_attention(q, k, v, self.scale, conv, eps, piece)
         return self.proj_drop(self.proj(out.transpose(1, 2).reshape(b, n, c)))

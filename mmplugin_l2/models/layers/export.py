@@ -41,5 +41,6 @@ def exporting():
 
 
 def eager_inference():
-    """The switch of the inference fast paths: no autograd recorded and not exporting."""
+    """No autograd recorded and not exporting: a function (not a module) may use kernels that have no
+    autograd formula. Modules decide with `memory.inference(module)`, which also asks for eval mode."""
     return not torch.is_grad_enabled() and not exporting()

@@ -1,4 +1,4 @@
-"""L2ViT's enhanced linear attention and its Local Concentration Module (LCM).
+"""L2ViT's linear attention (LGA). Its Local Concentration Module (LCM) is in `lcm.py`.
 
 `LinearAttention` (the "Linear Global Attention" of L2ViT), per head h with q, k, v of shape (N, d):
 
@@ -15,21 +15,14 @@
   autocast off (`fp32_reduce=True`, the default; a no-op in fp32). The authors train in fp32 only and have
   no such guard.
 Tokens (B, N, C) in, (B, N, C) out; qkv = Linear(C, 3C) (bias in L2ViT), proj = Linear(C, C).
-
-`LCM`: the local concentration module, on tokens (B, N, C) of an (H, W) map, returning (B, N, C):
-DWConv7x7 -> GELU -> BatchNorm2d -> DWConv7x7 (keys `conv1`, `bn`, `conv2`). No internal residual: the
-block adds it (x = x + LCM(LN(x))).
 """
 import contextlib
 
 import torch
 import torch.nn as nn
 
-from .conv import Conv2dCL
-from .cpe import map_to_tokens, tokens_to_map
 from .dtypes import autocast_off as _autocast_off
-from .export import eager_inference
-from .mlp import gelu
+from .memory import DEFAULT_POLICY
 
 
 class LinearAttention(nn.Module):
@@ -63,13 +56,14 @@ class LinearAttention(nn.Module):
         kv = (k.transpose(-2, -1) @ v) * self.temperature
         return (q @ kv) / denom
 
-    #: without autograd, maps of more than 2x this many (token x channel) elements run in chunks of it
-    chunk_elems = 2 ** 20
+    #: inference on large maps in token chunks (the (B, chunk, C) tokens are the piece)
+    memory_policy = DEFAULT_POLICY
 
     def forward(self, x):
         b, n, c = x.shape
-        if eager_inference() and b * n * c > 2 * self.chunk_elems:
-            return self._forward_chunks(x)
+        piece = self.memory_policy.pieces(self, x, b * n * c)
+        if piece is not None:
+            return self._forward_chunks(x, piece)
         qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, c // self.num_heads).permute(2, 0, 3, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]
         if self.fp32_reduce and qkv.dtype != torch.float64:
@@ -79,13 +73,13 @@ class LinearAttention(nn.Module):
             out = self.linear_attention(q, k, v)
         return self.proj(out.transpose(1, 2).reshape(b, n, c))
 
-    def _forward_chunks(self, x):
+    def _forward_chunks(self, x, piece):
         """Inference in token chunks, two passes: the k | v columns of qkv, sum_j K_j and K^T V summed over
         the chunks; then per chunk the q columns, the normalised output and proj. Only the output is
         map-sized. Same values as `forward` up to the summation order of the two sums (~1e-7 relative)."""
         b, n, c = x.shape
         nh, d = self.num_heads, c // self.num_heads
-        step = max(1, self.chunk_elems // (b * c))
+        step = max(1, piece // (b * c))
         w, bias = self.qkv.weight, self.qkv.bias
         fp32 = self.fp32_reduce and x.dtype != torch.float64
 
@@ -112,23 +106,3 @@ class LinearAttention(nn.Module):
                 out = y.new_empty(b, n, c)
             out[:, i:i + step] = y
         return out
-
-
-class LCM(nn.Module):
-    """Local concentration module: DWConv(k) -> GELU -> BN2d -> DWConv(k) on the token map.
-
-    Args:
-        dim (int): channels C. kernel_size (int): Default: 7 (L2ViT; the paper's Table 6 ablates 3).
-    """
-
-    def __init__(self, dim, kernel_size=7):
-        super().__init__()
-        pad = kernel_size // 2
-        self.conv1 = Conv2dCL(dim, dim, kernel_size, padding=pad, groups=dim)
-        self.bn = nn.BatchNorm2d(dim)
-        self.conv2 = Conv2dCL(dim, dim, kernel_size, padding=pad, groups=dim)
-
-    def forward(self, x, hw_shape):
-        # channels-last on the token map throughout (Conv2dCL kernels, no NCHW copies)
-        x = gelu(self.conv1(tokens_to_map(x, hw_shape)))
-        return map_to_tokens(self.conv2(self.bn(x)))

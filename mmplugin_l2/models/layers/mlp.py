@@ -2,8 +2,8 @@
 
 `ConvMlp` (H-ViT3): fc1 (C -> rC) -> GELU -> u + DWConv3x3(u) -> GELU -> fc2 (rC -> C); GELU is applied
 twice, around the residual depth-wise conv, as in the authors' code. Tokens (B, N, C) in and out.
-Without autograd the GELUs run in place and the residual is added into the conv output (fewer
-(B, N, rC) temporaries; same values).
+At inference (`memory.inference`) the GELUs run in place and the residual is added into the conv output
+(fewer (B, N, rC) temporaries; same values); large maps run in pieces (`memory.MemoryPolicy`).
 
 `recompute=True` (both MLPs): in a training step only the MLP input is kept for backward and the hidden
 (B, N, rC) activations are recomputed there (activation checkpointing of the MLP alone, RNG state
@@ -15,15 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .conv import Conv2dCL
-from .export import eager_inference
-from .cpe import tokens_conv
-from .recompute import checkpointed
-
-
-def _recomputed(module, x, *args):
-    """module._forward(x, *args), recomputed in backward when a training step records autograd."""
-    return checkpointed(module._forward, x, *args,
-                        enabled=module.recompute and module.training and x.requires_grad)
+from .memory import DEFAULT_POLICY, inference
+from .recompute import recomputed
+from .tokens import tokens_conv
 
 
 class ConvMlp(nn.Module):
@@ -37,42 +31,42 @@ class ConvMlp(nn.Module):
         self.drop = nn.Dropout(drop)
 
     def forward(self, x, hw_shape):
-        return _recomputed(self, x, hw_shape)
+        return recomputed(self, self._forward, x, hw_shape)
 
-    #: without autograd, maps whose hidden activation has more than 2x this many elements run in bands
-    #: of rows holding about this many
-    chunk_elems = 2 ** 21
+    #: inference on large maps in bands of rows (the (B, rows * W, C) input tokens are the piece)
+    memory_policy = DEFAULT_POLICY
 
     def _forward(self, x, hw_shape):
-        hidden_elems = x.shape[0] * x.shape[1] * self.fc1.out_features
-        if eager_inference() and hidden_elems > 2 * self.chunk_elems:
-            return self._forward_bands(x, hw_shape)
-        x = self.drop(gelu(self.fc1(x)))
-        x = gelu(tokens_conv(self.dwc, x, hw_shape).add_(x))   # conv(x) + x: the conv keeps no output
+        piece = self.memory_policy.pieces(self, x, x.numel())
+        if piece is not None:
+            return self._forward_bands(x, hw_shape, piece)
+        inplace = inference(self)
+        x = self.drop(gelu(self.fc1(x), inplace))
+        x = gelu(tokens_conv(self.dwc, x, hw_shape).add_(x), inplace)   # conv(x) + x: the conv keeps no output
         return self.drop(self.fc2(x))
 
-    def _forward_bands(self, x, hw_shape):
+    def _forward_bands(self, x, hw_shape, piece):
         """Inference on large maps, band of rows by band of rows, so that the (B, band, rC) hidden
         activations stay in cache: fc1 and GELU also run on one halo row above and below each band (the
         3x3 conv's neighbours), the conv output of the halo rows is dropped. Same values as the whole map."""
         b, n, c = x.shape
         h, w = hw_shape
-        rows = max(1, self.chunk_elems // (b * w * self.fc1.out_features))
+        rows = max(1, piece // (b * w * c))
         xm = x.view(b, h, w, c)
         out = x.new_empty(b, h, w, self.fc2.out_features)
         for r0 in range(0, h, rows):
             r1 = min(h, r0 + rows)
             a0, a1 = max(0, r0 - 1), min(h, r1 + 1)
-            u = gelu(self.fc1(xm[:, a0:a1].reshape(b, (a1 - a0) * w, c)))
+            u = gelu(self.fc1(xm[:, a0:a1].reshape(b, (a1 - a0) * w, c)), True)
             y = tokens_conv(self.dwc, u, (a1 - a0, w)).add_(u)
             y = y.view(b, a1 - a0, w, -1)[:, r0 - a0:r1 - a0]
-            out[:, r0:r1] = self.fc2(gelu(y.reshape(b, (r1 - r0) * w, -1))).view(b, r1 - r0, w, -1)
+            out[:, r0:r1] = self.fc2(gelu(y.reshape(b, (r1 - r0) * w, -1), True)).view(b, r1 - r0, w, -1)
         return out.view(b, n, -1)
 
 
-def gelu(x):
-    """Exact GELU; in place when no gradient is being recorded (its backward would need the input)."""
-    return torch.ops.aten.gelu_(x) if eager_inference() else F.gelu(x)
+def gelu(x, inplace=False):
+    """Exact GELU; in place with `inplace` (inference only: its backward would need the input)."""
+    return torch.ops.aten.gelu_(x) if inplace else F.gelu(x)
 
 
 class Mlp(nn.Module):
@@ -86,20 +80,22 @@ class Mlp(nn.Module):
         self.fc2 = nn.Linear(hidden_dim, dim)
         self.drop = nn.Dropout(drop)
 
-    #: without autograd, maps with more tokens than 2x this run in token chunks of this size
-    chunk_tokens = 8192
+    #: inference on large maps in token chunks (the (B, chunk, C) input tokens are the piece)
+    memory_policy = DEFAULT_POLICY
 
     def forward(self, x, hw_shape=None):
-        return _recomputed(self, x)
+        return recomputed(self, self._forward, x)
 
     def _forward(self, x):
-        n = x.shape[1]
-        if not eager_inference() or n <= 2 * self.chunk_tokens:
-            return self.drop(self.fc2(self.drop(gelu(self.fc1(x)))))
+        b, n, c = x.shape
+        piece = self.memory_policy.pieces(self, x, x.numel())
+        if piece is None:
+            return self.drop(self.fc2(self.drop(gelu(self.fc1(x), inference(self)))))
         # Inference on large maps: the (B, chunk, rC) hidden activation stays in cache instead of a
         # (B, N, rC) temporary (80-120 MB in stage 1 at 800 x 1344). Rows are independent, so the
-        # values are the same (bit-identical in the parity runs against the authors' code).
+        # values are the same.
+        step = max(1, piece // (b * c))
         out = x.new_empty(x.shape[:-1] + (self.fc2.out_features,))
-        for i in range(0, n, self.chunk_tokens):
-            out[:, i:i + self.chunk_tokens] = self.fc2(gelu(self.fc1(x[:, i:i + self.chunk_tokens])))
+        for i in range(0, n, step):
+            out[:, i:i + step] = self.fc2(gelu(self.fc1(x[:, i:i + step]), True))
         return out

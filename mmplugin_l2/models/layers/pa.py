@@ -8,7 +8,7 @@ any size; the parameters are `pa_conv.{weight,bias}`, the authors' key names.
 import torch
 import torch.nn as nn
 
-from .export import eager_inference
+from .memory import inference
 
 
 class PA(nn.Module):
@@ -19,6 +19,6 @@ class PA(nn.Module):
 
     def forward(self, x):
         gate = self.pa_conv(x)
-        if not eager_inference():
+        if not inference(self):
             return x * torch.sigmoid(gate)
         return gate.sigmoid_().mul_(x)   # no autograd: in place, same values

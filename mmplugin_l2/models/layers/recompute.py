@@ -1,13 +1,62 @@
-"""Activation checkpointing shared by the backbones' `with_cp` and the layers' `recompute` options."""
+"""Recomputation (activation checkpointing), shared by the backbones' `with_cp` (whole blocks) and the
+layers' / blocks' `recompute` (one branch or one layer): in a training step only the inputs are kept for
+backward and the function runs again there (non-reentrant torch.utils.checkpoint, RNG state preserved,
+so dropout draws the same masks). BatchNorm running statistics are updated once, not again in the
+recomputation. Same values and gradients; less memory for more backward time.
+"""
+import contextlib
+from functools import partial
+
 import torch
 import torch.utils.checkpoint as cp
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .memory import recomputes
 
 
-def checkpointed(fn, *args, enabled=True, context_fn=None):
-    """fn(*args); when `enabled` and autograd records, under non-reentrant activation checkpointing: only
-    the inputs are kept for backward and `fn` runs again there (RNG state preserved). `context_fn` as for
-    torch.utils.checkpoint (e.g. to keep BatchNorm statistics from being updated twice)."""
+@contextlib.contextmanager
+def _frozen_bn_statistics(module):
+    """BatchNorms keep normalising with batch statistics but do not update their running ones (momentum
+    0): the recomputation of a checkpointed function must not count the batch twice."""
+    bns = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.training]
+    saved = [(m.momentum, m.num_batches_tracked.clone() if m.num_batches_tracked is not None else None)
+             for m in bns]
+    for m in bns:
+        m.momentum = 0.
+    try:
+        yield
+    finally:
+        for m, (momentum, tracked) in zip(bns, saved):
+            m.momentum = momentum
+            if tracked is not None:
+                m.num_batches_tracked.copy_(tracked)
+
+
+def _contexts(module):
+    """torch.utils.checkpoint's `context_fn`: nothing special in forward, frozen BN statistics in the
+    recomputation."""
+    return contextlib.nullcontext(), _frozen_bn_statistics(module)
+
+
+def checkpointed(fn, *args, enabled=True, module=None):
+    """fn(*args); when `enabled` and autograd records, checkpointed (see the module docstring). `module`:
+    the module whose BatchNorms `fn` runs (their statistics are updated once)."""
     if enabled and torch.is_grad_enabled():
-        kw = {} if context_fn is None else dict(context_fn=context_fn)
+        kw = {} if module is None else dict(context_fn=partial(_contexts, module))
         return cp.checkpoint(fn, *args, use_reentrant=False, **kw)
     return fn(*args)
+
+
+def recomputed(module, fn, x, *args):
+    """fn(x, *args), recomputed in backward when `module` recomputes (`memory.recomputes`: its `recompute`
+    switch, train mode, autograd recording) and x needs a gradient."""
+    return checkpointed(fn, x, *args, enabled=recomputes(module) and x.requires_grad, module=module)
+
+
+def recomputed_branch(block, norm, module, x, *args):
+    """A pre-norm residual branch `module(norm(x), *args)`, recomputed in backward when `block` recomputes:
+    only x (the residual stream, which autograd keeps anyway) is kept, the LayerNorm included in the
+    recomputation."""
+    def branch(t, *a):
+        return module(norm(t), *a)
+    return checkpointed(branch, x, *args, enabled=recomputes(block), module=module)

@@ -24,10 +24,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from mmengine.model.weight_init import trunc_normal_
 
-from .cpe import check_token_count
 from .dtypes import HALF_DTYPES, autocast_off, autocasts_to
-from .export import eager_inference, exporting
+from .export import eager_inference
+from .memory import DEFAULT_POLICY, inference, recomputes
 from .rope import apply_rope
+from .tokens import check_token_count
 
 
 def normalize_inner_grad(g, dim):
@@ -102,7 +103,7 @@ def swiglu_inner_grads(k, v, w1, w2, scale):
     Returns:
         (g1, g2): (B, H, d, d) normalised gradients w.r.t. W1 and W2.
     """
-    g = _swiglu_grad_pair(k, v, torch.cat([w1, w2], dim=-1), scale, fused=eager_inference())
+    g = _swiglu_grad_pair(k, v, torch.cat([w1, w2], dim=-1), scale, fused=eager_inference())  # no autograd
     return g.chunk(2, dim=-1)
 
 
@@ -161,9 +162,9 @@ def ttt_core(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, fused=False):
     return torch.cat([x1, x2.to(x1.dtype)], dim=-1)
 
 
-def ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, chunk_elems):
-    """The whole TTT layer without autograd, tokens (B, N, C) -> (B, N, C), in chunks of about
-    `chunk_elems` / C tokens, so that no (B, N, >= C) temporary is ever built except the output.
+def ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, piece=None):
+    """The whole TTT layer without autograd, tokens (B, N, C) -> (B, N, C), in chunks of `piece` / (B C)
+    tokens (None: one chunk), so that no (B, N, >= C) temporary is built except the output.
 
     Pass 1, chunk by chunk: the k1 | v1 | q2 | k2 | v2 columns of `qkv` (one contiguous block of its
     weight rows), RoPE on k1, and k1^T [a1 | a2] of the SwiGLU inner gradient, summed over the chunks;
@@ -175,7 +176,7 @@ def ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr,
     h, w = hw_shape
     d = w1.shape[-1]
     c = num_heads * d
-    step = max(1, chunk_elems // c)
+    step = n if piece is None else max(1, piece // (b * c))
     wq, wrest = qkv.weight[:c], qkv.weight[c:]
     bq, brest = (None, None) if qkv.bias is None else (qkv.bias[:c], qkv.bias[c:])
 
@@ -274,18 +275,19 @@ class TTTAttention(nn.Module):
             trunc_normal_(w, std=.02)
         self.proj = nn.Linear(dim + d, dim)
 
-    #: without autograd, the inner models run in chunks of about this many (token x channel) elements
-    chunk_elems = 2 ** 20
+    #: inference in token chunks (the (B, chunk, C) tokens are the piece)
+    memory_policy = DEFAULT_POLICY
 
     def forward(self, x, hw_shape, rope=None):
         """x: (B, N, C); hw_shape: (H, W); rope: None or the complex table of `rope_tables`."""
         check_token_count(x.shape[1], hw_shape)
-        if eager_inference():
+        if inference(self):
+            piece = self.memory_policy.pieces(self, x, x.shape[0] * x.shape[1] * self.dim)
             return ttt_inference(x, self.qkv, self.proj, rope, self.w1, self.w2, self.w3, tuple(hw_shape),
-                                 self.num_heads, self.scale, self.lr, self.chunk_elems)
+                                 self.num_heads, self.scale, self.lr, piece)
         qkv = self.qkv(x)
         args = (qkv, rope, self.w1, self.w2, self.w3, tuple(hw_shape), self.num_heads, self.scale, self.lr)
-        if self.recompute and torch.is_grad_enabled() and not exporting():
+        if recomputes(self):
             y = TTTCore.apply(*args)
         else:
             y = ttt_core(*args)

@@ -24,7 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .export import eager_inference, exporting
+from .export import exporting
+from .memory import DEFAULT_POLICY
 
 
 def window_partition(x, window_size):
@@ -88,15 +89,15 @@ class WindowAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=self.scale)
         return self.proj(out.transpose(1, 2).reshape(bw, n, c))
 
-    #: without autograd, maps of more than 2x this many elements run in bands of window rows of about it
-    chunk_elems = 2 ** 20
+    #: inference on large maps in bands of window rows (the (B, rows, Wp, C) band is the piece)
+    memory_policy = DEFAULT_POLICY
 
-    def _windows_in_bands(self, x, key_mask):
+    def _windows_in_bands(self, x, key_mask, piece):
         """Inference on the padded map x (B, Hp, Wp, C), a band of window rows at a time (the windows are
         independent, so the values are those of the whole map); returns (B, Hp, Wp, C)."""
         b, hp, wp, c = x.shape
         ws = self.window_size
-        rows = max(1, self.chunk_elems // (b * ws * wp * c)) * ws
+        rows = max(1, piece // (b * ws * wp * c)) * ws
         out = torch.empty_like(x)
         per_row = wp // ws        # windows per window row (per sample)
         for r0 in range(0, hp, rows):
@@ -121,8 +122,9 @@ class WindowAttention(nn.Module):
         key_mask = None
         if self.mask_padding and padded:
             key_mask = padding_key_mask((h, w), (hp, wp), ws, x.device).repeat(b, 1)
-        if eager_inference() and x.numel() > 2 * self.chunk_elems:
-            x = self._windows_in_bands(x, key_mask)
+        piece = self.memory_policy.pieces(self, x, x.numel())
+        if piece is not None:
+            x = self._windows_in_bands(x, key_mask, piece)
         else:
             x = window_reverse(self.attention(window_partition(x, ws), key_mask), ws, hp, wp)
         if padded:

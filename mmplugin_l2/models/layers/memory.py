@@ -1,0 +1,105 @@
+"""The memory policy: when a layer works on a large map in pieces, and how large the pieces are.
+
+Every large-map layer of every family (stems and downsamplings, MLPs, window / linear / TTT attention,
+EMSA) follows one `MemoryPolicy`, set for a whole backbone by its `memory_policy` argument
+(`dict(max_elems=2**20, devices=('cpu',))` by default; `None` turns pieces off everywhere):
+
+* **Unit.** `max_elems` counts elements of a piece, the batch included: for the token layers (MLPs, TTT,
+  window and linear attention) the piece's input tokens x channels, for the convolution chains (stems,
+  downsamplings) input rows x width x the last layer's channels, for EMSA query rows x keys x heads of its
+  attention map.
+* **Inference pieces** (`pieces`): a module in **eval mode**, with no autograd recording and not being
+  exported, on a device type in `devices`, whose whole-map activation would exceed `2 * max_elems`, computes
+  it in pieces of about `max_elems` (row bands, token chunks, bands of windows). Pieces keep the
+  intermediates in cache and out of the peak memory; the values are those of the whole map (bit-identical
+  where the pieces are independent rows; sums over pieces, e.g. K^T V, differ by the summation order,
+  ~1e-7 relative). A module in train mode never takes them (so dropout and BatchNorm statistics behave the
+  same under `torch.no_grad()`), nor does an eval-mode module while autograd records (Grad-CAM, receptive
+  fields): the pieces use in-place kernels that autograd cannot differentiate.
+* **Recomputation pieces** (`train_pieces`): in train mode with autograd recording, a layer that
+  recomputes in backward (ResT's `ChunkedEMSAAttention`) uses pieces of `max_elems` once the map exceeds
+  `2 * max_elems`, on every device (it is a memory saving, not a cache one). Whether a layer recomputes
+  at all is the backbone's `recompute` switch (`recomputes`).
+* On devices not in `devices` (CUDA by default) inference runs on whole maps: a GPU has no cache to keep
+  pieces in and pays a kernel launch per piece.
+
+The defaults reproduce the speed measured on CPU in docs/benchmark.md.
+"""
+import torch
+
+from .export import exporting
+
+
+class MemoryPolicy:
+    """How large a map a layer builds at once. See the module docstring for the rule.
+
+    Args:
+        max_elems (int | None): elements per piece; whole maps up to twice this. None: always whole maps.
+            Default: 2**20.
+        devices (Sequence[str]): device types on which inference works in pieces. Default: ('cpu',).
+    """
+
+    def __init__(self, max_elems=2 ** 20, devices=('cpu',)):
+        if max_elems is not None and (isinstance(max_elems, bool) or not isinstance(max_elems, int)
+                                      or max_elems < 1):
+            raise ValueError(f'memory_policy: max_elems must be a positive int or None, got {max_elems!r}')
+        if isinstance(devices, str):
+            devices = (devices,)
+        self.max_elems = max_elems
+        self.devices = tuple(devices)
+
+    @classmethod
+    def build(cls, cfg):
+        """A MemoryPolicy from a config value: a policy, a dict of its arguments, or None (no pieces)."""
+        if isinstance(cfg, cls):
+            return cfg
+        if cfg is None:
+            return cls(max_elems=None)
+        if not isinstance(cfg, dict):
+            raise TypeError(f'memory_policy must be a dict (e.g. dict(max_elems=2**20, devices=("cpu",))), '
+                            f'a MemoryPolicy or None, got {type(cfg).__name__}')
+        unknown = set(cfg) - {'max_elems', 'devices'}
+        if unknown:
+            raise ValueError(f'memory_policy: unknown keys {sorted(unknown)}; allowed: max_elems, devices')
+        return cls(**cfg)
+
+    def pieces(self, module, x, whole_elems):
+        """Elements per piece for `module`'s inference on `x`, or None for the whole map."""
+        if self.max_elems is None or whole_elems <= 2 * self.max_elems or x.device.type not in self.devices:
+            return None
+        return self.max_elems if inference(module) else None
+
+    def train_pieces(self, whole_elems):
+        """Elements per piece of a recomputing layer's training step, or None for the whole map."""
+        if self.max_elems is None or whole_elems <= 2 * self.max_elems:
+            return None
+        return self.max_elems
+
+    def __repr__(self):
+        return f'MemoryPolicy(max_elems={self.max_elems}, devices={self.devices})'
+
+
+#: the policy of a layer built on its own (a backbone sets its own on every layer)
+DEFAULT_POLICY = MemoryPolicy()
+
+
+def inference(module):
+    """The switch of every inference-only path (pieces, in-place kernels, the fused TTT pass): `module`
+    in eval mode, no autograd recording, not being exported."""
+    return not module.training and not torch.is_grad_enabled() and not exporting()
+
+
+def recomputes(module):
+    """A layer with `recompute=True` recomputes its intermediates in backward: train mode, autograd
+    recording, not being exported."""
+    return module.recompute and module.training and torch.is_grad_enabled() and not exporting()
+
+
+def set_memory_policy(model, policy):
+    """Give every layer of `model` that follows a memory policy (has a `memory_policy` attribute) the
+    policy `policy` (anything `MemoryPolicy.build` takes); returns the MemoryPolicy."""
+    policy = MemoryPolicy.build(policy)
+    for m in model.modules():
+        if hasattr(m, 'memory_policy'):
+            m.memory_policy = policy
+    return policy

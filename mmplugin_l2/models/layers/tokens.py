@@ -1,0 +1,37 @@
+"""Generic shape helpers: tokens (B, N, C) <-> maps (B, C, H, W), and padding a map to a multiple."""
+import torch.nn.functional as F
+
+from .export import exporting
+
+
+def check_token_count(n, hw_shape):
+    """Raise ValueError unless n tokens form an (H, W) map."""
+    h, w = hw_shape
+    if n != h * w:
+        raise ValueError(f'{n} tokens do not form a {h}x{w} map')
+
+
+def tokens_to_map(x, hw_shape):
+    """(B, N, C) tokens -> (B, C, H, W) map (a channels-last view of the tokens when they are contiguous)."""
+    b, n, c = x.shape
+    check_token_count(n, hw_shape)
+    return x.transpose(1, 2).reshape(b, c, *hw_shape)
+
+
+def map_to_tokens(x):
+    """(B, C, H, W) map -> (B, H*W, C) tokens."""
+    return x.flatten(2).transpose(1, 2)
+
+
+def tokens_conv(fn, x, hw_shape):
+    """Apply an NCHW function `fn` to tokens (B, N, C) and return tokens."""
+    return map_to_tokens(fn(tokens_to_map(x, hw_shape)))
+
+
+def pad_to_multiple(x, multiple):
+    """Zero-pad an NCHW tensor on the right/bottom so that H and W are multiples of `multiple`."""
+    h, w = x.shape[-2:]
+    pad_h, pad_w = (-h) % multiple, (-w) % multiple
+    if exporting() or pad_h or pad_w:  # exporting: one graph for every size, a zero pad is a no-op
+        x = F.pad(x, (0, pad_w, 0, pad_h))
+    return x
