@@ -1,0 +1,186 @@
+"""Roofline of a backbone on this machine (tools/analysis/roofline.py): multiply-adds (the count of
+flops.py / get_flops.py) against measured time, as achieved GMAC/s next to the machine's measured peak (a
+large fp32 matmul on the same threads) and memory bandwidth (a large copy), for the whole model (inference,
+training) and per layer (inference).
+
+A *layer* is a direct child of a block (a module whose class name ends in `Block`: attention, MLP, CPE,
+norms) or a module outside the blocks that holds parameters (stem, downsamplings, output norms); per layer:
+multiply-adds (mmengine's FlopAnalyzer by module), wall time of its forward calls (forward hooks, one no-grad
+forward after a warm-up one) and bytes touched, estimated as its inputs + outputs + parameters (so the
+arithmetic intensity MAC / byte is a lower bound of what the cache sees; a layer that keeps its
+intermediates in cache does better). Time outside the layers (residual adds, reshapes) is `other`.
+"""
+import re
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+
+
+
+def peak_matmul(n=2048, iters=5, device='cpu'):
+    """Best of `iters` fp32 (n x n) @ (n x n) products: multiply-adds per second."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    a @ b  # warm-up
+    best = float('inf')
+    for _ in range(iters):
+        t = time.perf_counter()
+        a @ b
+        if a.device.type == 'cuda':
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return n ** 3 / best
+
+
+def peak_bandwidth(mbytes=256, iters=5, device='cpu'):
+    """Best of `iters` copies of an fp32 tensor of `mbytes` MB into another: bytes read + written per second."""
+    src = torch.randn(mbytes * 2**18, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float('inf')
+    for _ in range(iters):
+        t = time.perf_counter()
+        dst.copy_(src)
+        if src.device.type == 'cuda':
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 4 / best
+
+
+def _is_block(m):
+    return type(m).__name__.endswith('Block')
+
+
+def layers(model):
+    """[(name, module)]: the layers of `model` (see the module docstring), disjoint."""
+    out = []
+
+    def walk(prefix, m):
+        for n, c in m.named_children():
+            name = prefix + n
+            if _is_block(c):
+                out.extend((f'{name}.{k}', g) for k, g in c.named_children()
+                           if not isinstance(g, (nn.Identity, nn.Dropout)))
+            elif any(_is_block(d) for d in c.modules()):
+                walk(name + '.', c)
+            elif any(True for _ in c.parameters()):
+                out.append((name, c))
+    walk('', model)
+    return out
+
+
+def _nbytes(obj):
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(_nbytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(_nbytes(o) for o in obj.values())
+    return 0
+
+
+def layer_group(name, module):
+    """'stage N / ClassName' of a layer (N: the first index in its name), 'stem / ...' before any index."""
+    m = re.search(r'\d+', name)
+    return f'{"stage " + str(int(m.group()) + 1) if m else "-"} / {type(module).__name__}'
+
+
+@torch.no_grad()
+def profile_layers(model, x):
+    """Per layer group: MACs, seconds, bytes, calls; plus the forward's total seconds (one forward after a
+    warm-up forward, eval mode)."""
+    model.eval()
+    named = layers(model)
+    flops, by_module = _flops(model, x)
+    stats, hooks = {}, []
+    for name, mod in named:
+        g = layer_group(name, mod)
+        s = stats.setdefault(g, dict(macs=0, seconds=0., bytes=0, calls=0, modules=0))
+        s['macs'] += by_module.get(name, 0)
+        s['modules'] += 1
+        pbytes = sum(p.numel() * p.element_size() for p in mod.parameters())
+
+        def pre(m, args, g=g):
+            m._rl_t = time.perf_counter()
+
+        def post(m, args, out, g=g, pbytes=pbytes):
+            st = stats[g]
+            st['seconds'] += time.perf_counter() - m._rl_t
+            st['bytes'] += _nbytes(args) + _nbytes(out) + pbytes
+            st['calls'] += 1
+        hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    try:
+        model(x)  # warm-up, with hooks (the same work)
+        for s in stats.values():
+            s.update(seconds=0., bytes=0, calls=0)
+        t = time.perf_counter()
+        model(x)
+        total = time.perf_counter() - t
+    finally:
+        for h in hooks:
+            h.remove()
+    in_layers = sum(s['seconds'] for s in stats.values())
+    stats['other'] = dict(macs=flops - sum(s['macs'] for s in stats.values()), seconds=max(0., total - in_layers),
+                          bytes=0, calls=0, modules=0)
+    return dict(macs=flops, seconds=total, layers=stats)
+
+
+def _flops(model, x):
+    """(total multiply-adds, {module name: multiply-adds, descendants included}), one trace."""
+    from mmengine.analysis import FlopAnalyzer
+    a = FlopAnalyzer(model, (x,))
+    a.unsupported_ops_warnings(False)
+    a.uncalled_modules_warnings(False)
+    return a.total(), dict(a.by_module())
+
+
+def train_step_seconds(model, x, warmup=1, iters=1):
+    """Median training-step time (mmplugin_l2.analysis.train_step.train_steps)."""
+    from .train_step import train_steps
+    steps, _ = train_steps(model, x, warmup, iters, memory=False)
+    return statistics.median(s['total_ms'] for s in steps) / 1e3
+
+
+def plot(summary, path):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    peak, bw = summary['peak_gmacs'], summary['bandwidth_gbs']
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw=dict(width_ratios=[1, 1.6]))
+    names = list(summary['models'])
+    xs = range(len(names))
+    inf = [summary['models'][n]['inference_gmacs'] for n in names]
+    tr = [summary['models'][n].get('train_gmacs') or 0 for n in names]
+    ax0.bar([i - .2 for i in xs], inf, .4, label='inference')
+    ax0.bar([i + .2 for i in xs], tr, .4, label='training (3 x forward MACs / step)')
+    ax0.axhline(peak, color='k', ls='--', lw=1, label=f'fp32 matmul peak {peak:.0f}')
+    ax0.set_xticks(list(xs), names)
+    ax0.set_ylabel('GMAC/s')
+    ax0.set_title('whole backbone')
+    ax0.legend(fontsize=8)
+    cycle = plt.rcParams['axes.prop_cycle'].by_key()['color']
+    lo, hi = 1e-2, 1e3
+    for i, n in enumerate(names):
+        for g, s in summary['models'][n]['layers'].items():
+            if g == 'other' or not s['seconds'] or not s['macs'] or not s['bytes']:
+                continue
+            ai, perf = s['macs'] / s['bytes'], s['macs'] / s['seconds'] / 1e9
+            lo, hi = min(lo, ai), max(hi, ai)
+            ax1.scatter(ai, perf, s=12 + 400 * s['seconds'] / summary['models'][n]['inference_s'],
+                        color=cycle[i % len(cycle)], alpha=.6, label=n if g == next(iter(summary['models'][n]['layers'])) else None)
+    xx = [lo / 2, hi * 2]
+    ax1.plot([lo / 2, peak / bw, hi * 2], [bw * lo / 2, peak, peak], 'k--', lw=1,
+             label=f'roof: {bw:.0f} GB/s copy, {peak:.0f} GMAC/s matmul')
+    ax1.set_xlim(*xx)
+    ax1.set_xscale('log')
+    ax1.set_yscale('log')
+    ax1.set_xlabel('MAC per byte (layer inputs + outputs + weights)')
+    ax1.set_ylabel('achieved GMAC/s')
+    ax1.set_title('layers (inference; marker area ~ share of the forward time)')
+    ax1.grid(True, which='both', alpha=.3)
+    ax1.legend(fontsize=8)
+    fig.suptitle(summary['title'], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,100 @@
+"""Roofline of the backbones on this machine: multiply-adds (as tools/analysis/get_flops.py counts them),
+latency and achieved GMAC/s against the measured fp32 matmul peak and copy bandwidth, inference and training,
+whole model and per layer. Writes roofline.json and roofline.png.
+
+    python tools/analysis/roofline.py [--models hvit3_t l2vit_t rest_s] [--size 800x1344] [--batch 1]
+        [--train | --train-json work_dirs/train_benchmark/train_benchmark.json] [--device cpu|cuda]
+        [--out-dir work_dirs/roofline]
+
+Peak: the best of 5 fp32 2048 x 2048 matmuls on the same threads (n^3 multiply-adds); bandwidth: the best of 5
+copies of 256 MB (bytes read + written). Inference: one no-grad forward after a warm-up, timed per layer
+with forward hooks (mmplugin_l2/analysis/roofline.py says what a layer is). Training: GMAC/s counted as
+3 x the forward's multiply-adds (forward + two backward products) per training step, the step time measured
+here (`--train`: one step after one warm-up, AdamW) or read from a train_benchmark.py JSON (`--train-json`,
+its median at the same size and batch); recomputation adds work that this figure does not count.
+"""
+import argparse
+import json
+import os
+import os.path as osp
+import platform
+
+import torch
+
+from mmplugin_l2.analysis import roofline as rl
+from mmplugin_l2.analysis.benchmark import parse_size
+from mmplugin_l2.analysis.models import MODELS, build
+
+
+def _train_time(path, size, batch, name):
+    with open(path) as f:
+        table = json.load(f)['table']
+    row = table.get(f'{size[0]}x{size[1]}/b{batch}', {}).get(name) or {}
+    step = (row.get('step_ms') or {}).get('median')
+    return step / 1e3 if step else None
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split('\n\n', 2)[2])
+    p.add_argument('--models', nargs='+', default=['hvit3_t', 'l2vit_t', 'rest_s'], choices=sorted(MODELS))
+    p.add_argument('--size', default='800x1344')
+    p.add_argument('--batch', type=int, default=1)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument('--train', action='store_true', help='measure a training step per model')
+    g.add_argument('--train-json', help='training-step times from tools/analysis/train_benchmark.py')
+    p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
+    p.add_argument('--out-dir', default='work_dirs/roofline')
+    args = p.parse_args(argv)
+    size, dev = parse_size(args.size), torch.device(args.device)
+    peak, bw = rl.peak_matmul(device=dev), rl.peak_bandwidth(device=dev)
+    print(f'peak fp32 matmul {peak / 1e9:.1f} GMAC/s, copy bandwidth {bw / 1e9:.1f} GB/s '
+          f'({torch.get_num_threads()} threads)', flush=True)
+    summary = dict(device=args.device, machine=f'{platform.machine()}, {os.cpu_count()} CPUs', torch=torch.__version__,
+                   threads=torch.get_num_threads(), size=list(size), batch=args.batch, peak_gmacs=peak / 1e9,
+                   bandwidth_gbs=bw / 1e9, models={})
+    for name in args.models:
+        torch.manual_seed(0)
+        model = build(name).to(dev)
+        x = torch.randn(args.batch, 3, *size, device=dev)
+        prof = rl.profile_layers(model, x)
+        step = rl.train_step_seconds(model, x) if args.train else None
+        res = dict(macs=prof['macs'], inference_s=prof['seconds'],
+                   inference_gmacs=prof['macs'] / prof['seconds'] / 1e9, train_step_s=step,
+                   train_gmacs=3 * prof['macs'] / step / 1e9 if step else None, layers={})
+        for grp, s in sorted(prof['layers'].items(), key=lambda kv: -kv[1]['seconds']):
+            res['layers'][grp] = dict(s, gmacs=s['macs'] / s['seconds'] / 1e9 if s['seconds'] else None,
+                                      share=s['seconds'] / prof['seconds'],
+                                      mac_per_byte=s['macs'] / s['bytes'] if s['bytes'] else None)
+        summary['models'][name] = res
+        print(f'{name}: {prof["macs"] / 1e9:.1f} GMAC, inference {prof["seconds"]:.2f} s = '
+              f'{res["inference_gmacs"]:.1f} GMAC/s ({res["inference_gmacs"] / summary["peak_gmacs"]:.0%} of peak)'
+              + (f', training {step:.1f} s/step = {res["train_gmacs"]:.1f} GMAC/s' if step else ''), flush=True)
+        print(f'  {"layer group":34s} {"share":>6s} {"GMAC":>7s} {"GMAC/s":>7s} {"of peak":>7s} {"MAC/B":>6s}')
+        for grp, s in list(res['layers'].items())[:12]:
+            gm = '-' if s['gmacs'] is None else f'{s["gmacs"]:7.1f}'
+            mb = '-' if s['mac_per_byte'] is None else f'{s["mac_per_byte"]:6.1f}'
+            of = '-' if s['gmacs'] is None else f'{s["gmacs"] / summary["peak_gmacs"]:7.0%}'
+            print(f'  {grp:34s} {s["share"]:6.0%} {s["macs"] / 1e9:7.2f} {gm:>7s} {of:>7s} {mb:>6s}')
+        del model
+    if args.train_json:  # read at the end: the file may be written by a benchmark still running at the start
+        if not osp.isfile(args.train_json):
+            raise SystemExit(f'roofline.py: error: --train-json {args.train_json} not found')
+        for name, res in summary['models'].items():
+            step = _train_time(args.train_json, size, args.batch, name)
+            res.update(train_step_s=step, train_gmacs=3 * res['macs'] / step / 1e9 if step else None)
+            if step:
+                print(f'{name}: training {step:.1f} s/step (from {args.train_json}) = {res["train_gmacs"]:.1f} GMAC/s')
+    summary['title'] = (f'{summary["machine"]}, {summary["threads"]} threads, torch {summary["torch"]}: '
+                        f'{size[0]}x{size[1]}, batch {args.batch}, fp32')
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(osp.join(args.out_dir, 'roofline.json'), 'w') as f:
+        json.dump(summary, f, indent=2)
+    rl.plot(summary, osp.join(args.out_dir, 'roofline.png'))
+    print(f'wrote {args.out_dir}/roofline.json and roofline.png')
+    return summary
+
+
+if __name__ == '__main__':
+    main()
