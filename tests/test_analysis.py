@@ -200,3 +200,92 @@ def test_vs_authors_ratios_and_report(tmp_path):
     summary = dict(by_model=by_model, device='cpu', batch=1, torch='x')
     bm.plot(summary, tmp_path / 'p.png')  # the authors' lines dashed, in their model's colour
     assert (tmp_path / 'p.png').read_bytes()[:4] == b'\x89PNG'
+
+
+# ---- training-step benchmark (tools/analysis/train_benchmark.py) and roofline (tools/analysis/roofline.py) ----
+
+def _train_cli():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location('_train_cli', f'{ROOT}/tools/analysis/train_benchmark.py')
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_train_benchmark_runs_variants_and_rounds(tmp_path):
+    out = tmp_path / 'tb'
+    r = subprocess.run([sys.executable, f'{ROOT}/tools/analysis/train_benchmark.py', '--models', 'hvit3_t',
+                        '--sizes', '64', '--batches', '2', '--variants', 'cp', '--warmup', '0', '--iters', '2',
+                        '--rounds', '2', '--out-dir', str(out)], capture_output=True, text=True, cwd=ROOT, timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert '[  6/6]' in r.stdout  # 2 rounds x (default train, default inference, cp train)
+    res = json.loads((out / 'train_benchmark.json').read_text())
+    rows = res['table']['64x64/b2']
+    assert set(rows) == {'hvit3_t', 'hvit3_t[cp]'}
+    assert rows['hvit3_t[cp]']['extra_cfg'] == {'with_cp': True} and 'infer_ms' not in rows['hvit3_t[cp]']
+    for row in rows.values():
+        st = row['step_ms']
+        assert st['n'] == 4 and st['min'] <= st['median'] <= st['max']  # 2 rounds x 2 iterations
+        assert row['train_peak_mem_mb']['median'] > 0 and row['params'] > 0
+        parts = sum(row[k]['median'] for k in ('forward_ms', 'backward_ms', 'optimizer_ms'))
+        assert parts == pytest.approx(st['median'], rel=0.5)
+    assert rows['hvit3_t']['infer_ms']['n'] == 4
+    assert res['best_variants']['64x64/b2']['hvit3_t']['fastest'] in rows
+    md = (out / 'train_benchmark.md').read_text()
+    assert '**64x64, batch 2**' in md and '`hvit3_t[cp]`' in md
+
+
+def test_train_benchmark_tables_and_ratios():
+    cli = _train_cli()
+
+    def train(label, rnd, step, mem, size=(800, 1344)):
+        return dict(label=label, round=rnd, size=list(size), batch=2, mode='train', params=10, extra_cfg={},
+                    step_ms=step, forward_ms=step / 4, backward_ms=step / 2, optimizer_ms=step / 4,
+                    train_peak_mem_mb=mem, steps=[dict(total_ms=step * .9), dict(total_ms=step * 1.1)])
+
+    def infer(label, rnd, ms):
+        return dict(label=label, round=rnd, size=[800, 1344], batch=2, mode='latency', latency_ms=ms,
+                    times_ms=[ms, ms])
+    raw = [train('hvit3_t', 0, 100., 40.), infer('hvit3_t', 0, 10.), train('hvit3_t[cp]', 0, 150., 30.),
+           train('hvit3_t@authors', 0, 200., 100.), infer('hvit3_t@authors', 0, 20.),
+           train('hvit3_t', 1, 120., 42.), infer('hvit3_t', 1, 14.), train('hvit3_t[cp]', 1, 130., 30.),
+           train('hvit3_t@authors', 1, 180., 100.), infer('hvit3_t@authors', 1, 20.),
+           dict(label='swin_t', round=0, size=[800, 1344], batch=2, mode='train', error='boom')]
+    table = cli.summarize(raw)
+    rows = table['800x1344/b2']
+    assert rows['hvit3_t']['step_ms'] == dict(median=110., min=90., max=132., n=4)
+    assert rows['hvit3_t']['infer_ms'] == dict(median=12., min=10., max=14., n=4)
+    assert rows['swin_t']['errors'] == ['train: boom']
+    vs = cli.vs_authors(table)['800x1344/b2']
+    assert vs['hvit3_t'] == pytest.approx(dict(train_speedup=190 / 110, mem_ratio=41 / 100, infer_speedup=20 / 12))
+    assert vs['hvit3_t[cp]']['train_speedup'] == pytest.approx(190 / 140)
+    assert vs['hvit3_t[cp]']['infer_speedup'] == pytest.approx(20 / 12)  # inference does not depend on with_cp
+    assert cli.best_variants(table)['800x1344/b2']['hvit3_t'] == dict(fastest='hvit3_t',
+                                                                       smallest_memory='hvit3_t[cp]')
+    md = cli.markdown(dict(table=table, vs_authors=cli.vs_authors(table), rounds=2, iters=2, warmup=1))
+    assert '| `hvit3_t` | 0.11 (0.09–0.13) |' in md and '1.73, 0.41, 1.67' in md and 'failed: train: boom' in md
+
+
+def test_roofline_layers_partition_the_model_and_account_for_its_macs():
+    from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST
+    from mmplugin_l2.analysis import roofline as rl
+    from mmplugin_l2.models.backbones import HViT3, L2ViT, ResT
+    import torch
+    for model in (HViT3(arch=TINY_HVIT3), L2ViT(arch=TINY_L2VIT), ResT(arch=TINY_REST)):
+        named = rl.layers(model)
+        owners = {}
+        for name, mod in named:
+            for p in mod.parameters():
+                assert id(p) not in owners, f'{name} shares a parameter with {owners[id(p)]}'
+                owners[id(p)] = name
+        assert len(owners) == len(list(model.parameters()))  # every parameter in exactly one layer
+        prof = rl.profile_layers(model, torch.randn(1, 3, 64, 96))
+        layer_macs = sum(s['macs'] for g, s in prof['layers'].items() if g != 'other')
+        assert 0 < layer_macs <= prof['macs'] and prof['layers']['other']['macs'] >= 0
+        assert prof['layers']['other']['macs'] < 0.05 * prof['macs']  # the layers hold the work
+        assert all(s['calls'] > 0 and s['seconds'] > 0 and s['bytes'] > 0
+                   for g, s in prof['layers'].items() if g != 'other')
+        assert sum(s['seconds'] for s in prof['layers'].values()) == pytest.approx(prof['seconds'], rel=0.05)
+    assert rl.peak_matmul(n=256, iters=2) > 1e6 and rl.peak_bandwidth(mbytes=8, iters=2) > 1e6
+    assert rl.layer_group('layers.2.blocks.0.attn', torch.nn.Linear(1, 1)) == 'stage 3 / Linear'
+    assert rl.layer_group('patch_embed', torch.nn.Linear(1, 1)) == '- / Linear'

@@ -56,16 +56,23 @@ def layers(model):
     """[(name, module)]: the layers of `model` (see the module docstring), disjoint."""
     out = []
 
+    def add(name, m):  # containers that are never called themselves: their children are the layers
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            for k, c in m.named_children():
+                add(f'{name}.{k}', c)
+        elif not isinstance(m, (nn.Identity, nn.Dropout)):
+            out.append((name, m))
+
     def walk(prefix, m):
         for n, c in m.named_children():
             name = prefix + n
             if _is_block(c):
-                out.extend((f'{name}.{k}', g) for k, g in c.named_children()
-                           if not isinstance(g, (nn.Identity, nn.Dropout)))
+                for k, g in c.named_children():
+                    add(f'{name}.{k}', g)
             elif any(_is_block(d) for d in c.modules()):
                 walk(name + '.', c)
             elif any(True for _ in c.parameters()):
-                out.append((name, c))
+                add(name, c)
     walk('', model)
     return out
 
