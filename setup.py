@@ -65,6 +65,7 @@ extras = {
     'onnx': ['onnx', 'onnxruntime', 'onnxscript'],
     'tests': ['pytest', 'pyyaml'],
     'mim': ['openmim'],
+    'vis': ['grad-cam>=1.3.6,<1.5', 'matplotlib'],   # docs/visualization.md (vis_cam.py needs < 1.5)
 }
 extras['all'] = sorted({req for reqs in extras.values() for req in reqs})
 

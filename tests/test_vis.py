@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from conftest import ROOT, TINY_HVIT3, TINY_L2VIT, TINY_REST
 
 from mmplugin_l2.analysis import erf, vis
@@ -118,7 +119,17 @@ def test_lga_after_lcm_is_the_projected_value_jacobian():
     i = ty * hw[1] + tx
     r = vis.lga_lcm_map(blk.attn, blk.norm3, blk.local_mp, x, x_mid, hw, (ty, tx))
     m = vis._f64(blk.attn)
-    norm, lcm = vis._f64(blk.norm3), vis._f64(blk.local_mp)
+    norm = vis._f64(blk.norm3)
+    lm = vis._f64(blk.local_mp)
+
+    def lcm(t, hw):   # LCM by hand: dwconv7 -> GELU -> BN (eval: per-channel affine) -> dwconv7
+        y = t[0].T.reshape(1, 32, *hw)
+        y = F.gelu(F.conv2d(y, lm.conv1.weight, lm.conv1.bias, padding=3, groups=32))
+        bn = lm.bn
+        y = (y - bn.running_mean[:, None, None]) / torch.sqrt(bn.running_var[:, None, None] + bn.eps) \
+            * bn.weight[:, None, None] + bn.bias[:, None, None]
+        y = F.conv2d(y, lm.conv2.weight, lm.conv2.bias, padding=3, groups=32)
+        return y.flatten(2).transpose(1, 2)
     a, v = vis._lga_rows(m, x.double(), list(range(30)))              # (nh, N, N), (nh, N, d)
     v = v.detach().requires_grad_()
     o = torch.einsum('hpn,hnd->phd', a, v).reshape(30, 32)
@@ -249,6 +260,24 @@ def test_erf_of_a_single_conv_is_its_kernel_footprint():
     assert mass[2] == pytest.approx(1) and mass[3] == pytest.approx(1) and mass[1] < 1 and mass[0] < mass[1]
 
 
+def test_erf_through_batchnorm_and_tokens_is_local():
+    """conv -> BN -> tokens -> LayerNorm (L2ViT's stem): the gradient of one output token stays in the conv's
+    3x3 footprint. Without `fix_batchnorm_grad_layout` torch 2.14's CPU BatchNorm backward spreads it over
+    whole rows of the input (its output gradient comes back channels-last-strided, its input is NCHW)."""
+    class StemLN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.ln = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.LayerNorm(8)
+
+        def forward(self, x):
+            y = self.bn(self.conv(x))
+            t = self.ln(y.flatten(2).transpose(1, 2))
+            return (t.transpose(1, 2).reshape(y.shape),)
+    model = _randomize_norms(StemLN())
+    g, hw = erf.average_erf(model, [torch.randn(1, 3, 16, 16)], 0)
+    assert g.sum() > 0 and erf.mass_within(g, erf.centre_pixel((16, 16), hw), [1])[1] == pytest.approx(1)
+
+
 def test_erf_tool_ours_and_mmdet_swin(tmp_path, capsys):
     _images(tmp_path / 'imgs', n=2)
     swin = tmp_path / 'swin_tiny.py'
@@ -285,8 +314,8 @@ def test_grad_cam_with_our_reshape_transform(tmp_path):
     x = torch.randn(1, 3, 64, 64)
     layer = cam.default_target_layer(model)
     assert layer == 'backbone.stages.3.1'
-    # the transform gives NCHW: tokens of the last block, and the channels-last LayerNorm output norm3,
-    # whose NCHW view is the backbone's output
+    # the transform gives NCHW: tokens of the last block, and the output of the LayerNorm norm3, whose
+    # NCHW view is the backbone's output
     reshape = cam.TokenMapReshape().attach(model, [cam.get_layer(model, 'backbone.norm3')])
     got = {}
     hooks = [cam.get_layer(model, n).register_forward_hook(lambda m, a, o, n=n: got.__setitem__(n, o.clone()))
@@ -296,7 +325,8 @@ def test_grad_cam_with_our_reshape_transform(tmp_path):
     for h in hooks:
         h.remove()
     reshape.release()
-    assert got['backbone.norm3'].shape == (1, 2, 2, 64)       # what the stock tool would read as NCHW
+    # the LayerNorm sees channels-last maps (B, h, w, C), which the stock tool would read as NCHW, or tokens
+    assert got['backbone.norm3'].shape in ((1, 2, 2, 64), (1, 4, 64))
     assert torch.equal(reshape(got['backbone.norm3']), feat)
     tokens = got['backbone.stages.3.1']
     assert torch.equal(reshape(tokens), tokens.transpose(1, 2).reshape(1, 64, 2, 2))

@@ -59,6 +59,8 @@ echo "[install 3/3] mmdet, mmseg, mmpretrain, onnx, openmim and mmplugin_l2 (edi
 "$PY" -m pip install 'mmdet==3.3.0' 'mmsegmentation==1.2.2' 'mmpretrain==1.2.0'
 # ONNX export and its checks (tools/deployment/, docs/deployment.md)
 "$PY" -m pip install onnx onnxruntime onnxscript openmim
+# Grad-CAM (docs/visualization.md): mmpretrain's tools/visualization/vis_cam.py needs grad-cam < 1.5
+"$PY" -m pip install 'grad-cam>=1.3.6,<1.5'
 # A legacy (egg-link) editable install: the package's location is then this checkout, where `mim search` /
 # `mim train mmplugin_l2` find mmplugin_l2/.mim/model-index.yml (with setuptools' newer editable wheels mim
 # looks for it in site-packages and fails).

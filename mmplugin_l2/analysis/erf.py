@@ -27,13 +27,22 @@ def stage_output(backbone, x, index=-1):
 
 
 def erf_gradient(model, x, index=-1):
-    """G (H, W) float64 for one input (1, 3, H, W), and the output map size (h, w)."""
+    """G (H, W) float64 for one input (1, 3, H, W), and the output map size (h, w).
+
+    The BatchNorms' backward is fixed for the run (`inputs.fix_batchnorm_grad_layout`: torch 2.14's CPU
+    BatchNorm2d backward is wrong when the output gradient's memory format differs from the input's)."""
+    from .inputs import fix_batchnorm_grad_layout
     x = x.detach().clone().requires_grad_(True)
-    y = stage_output(model, x, index)
-    if y.ndim != 4:
-        raise ValueError(f'the chosen output is {tuple(y.shape)}, not a (B, C, h, w) map')
-    h, w = y.shape[-2:]
-    (g,) = torch.autograd.grad(y[0, :, h // 2, w // 2].relu().sum(), x)
+    hooks = fix_batchnorm_grad_layout(model)
+    try:
+        y = stage_output(model, x, index)
+        if y.ndim != 4:
+            raise ValueError(f'the chosen output is {tuple(y.shape)}, not a (B, C, h, w) map')
+        h, w = y.shape[-2:]
+        (g,) = torch.autograd.grad(y[0, :, h // 2, w // 2].relu().sum(), x)
+    finally:
+        for hk in hooks:
+            hk.remove()
     return g[0].abs().sum(0).double(), (h, w)
 
 

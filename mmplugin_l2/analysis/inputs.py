@@ -19,7 +19,11 @@ def load_config(config, cfg_options=None):
     from mmengine.config import Config
     if not config.startswith(('mmdet::', 'mmseg::', 'mmpretrain::', 'mmplugin_l2::')) and not osp.isfile(config):
         raise FileNotFoundError(f'config {config!r} not found (a path, or e.g. mmdet::swin/...py)')
-    cfg = Config.fromfile(config)
+    if '::' in config:   # a library's own config, e.g. mmdet::swin/...py
+        from mmengine.hub import get_config
+        cfg = get_config(config)
+    else:
+        cfg = Config.fromfile(config)
     if cfg_options:
         cfg.merge_from_dict(cfg_options)
     return cfg
@@ -103,3 +107,24 @@ def list_images(folder, limit=None):
     if not files:
         raise FileNotFoundError(f'no image ({", ".join(exts)}) under {folder!r}')
     return files[:limit] if limit else files
+
+
+def fix_batchnorm_grad_layout(model):
+    """Work around a torch 2.14 CPU bug: BatchNorm2d's backward returns wrong input gradients when the output
+    gradient's memory format differs from the input's (e.g. a contiguous input whose output goes through
+    map_to_tokens + LayerNorm, which hands back a channels-last-strided gradient; tests/test_vis.py). Hooks
+    on every BatchNorm give the gradient the input's layout; returns the hook handles."""
+    handles = []
+
+    def fwd(m, args, out):
+        x = args[0]
+        if not (torch.is_tensor(out) and out.requires_grad and out.dim() == 4):
+            return
+        fmt = torch.channels_last if not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last) \
+            else torch.contiguous_format
+        # a tensor hook (not a module backward hook: blocks apply in-place ReLUs to BN outputs)
+        out.register_hook(lambda g: g.contiguous(memory_format=fmt))
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            handles.append(m.register_forward_hook(fwd))
+    return handles

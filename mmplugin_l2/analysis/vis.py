@@ -100,7 +100,12 @@ def capture(backbone, names, x):
 
 
 def _f64(module):
-    return copy.deepcopy(module).double().eval().requires_grad_(False)
+    """A float64 eval copy without parameter gradients, its BatchNorm backward fixed
+    (`fix_batchnorm_grad_layout`)."""
+    from .inputs import fix_batchnorm_grad_layout
+    m = copy.deepcopy(module).double().eval().requires_grad_(False)
+    fix_batchnorm_grad_layout(m)
+    return m
 
 
 def check_query(query, hw, layer=''):
@@ -341,7 +346,7 @@ def layer_maps(backbone, x, layers, query_fn):
                 x_mid = seen[nn_]['args'][0]
                 r2 = lga_lcm_map(mod, norm, lcm, xin, x_mid, hw, query)
                 i = query[0] * hw[1] + query[1]
-                res['panels'].append(('LGA linear + LCM', r2['map'], True))
+                res['panels'].append(('LGA linear + LCM', r2['map'], True))   # signed: can be negative
                 res['out']['lcm'] = r2['out']
                 res['ref']['lcm'] = (x_mid[0, i] + seen[ln_]['out'][0, i]).double()
         elif kind == 'emsa':
@@ -398,7 +403,7 @@ def draw_grid(img, results, out_path, query_px, max_heads=8, title=None):
             label, m = panels[c]
             ax.imshow(img, extent=(-0.5, ww - 0.5, hh - 0.5, -0.5))
             if m is not None:
-                if signed:
+                if signed and m.min() < 0:
                     lim = max(abs(m).max(), 1e-30)
                     ax.imshow(m, cmap='RdBu_r', vmin=-lim, vmax=lim, alpha=0.65, extent=extent,
                               interpolation='nearest')
