@@ -9,6 +9,10 @@ branch-free padding, so one graph serves every input size. Same function, same v
 
 `export_mode()` turns it on explicitly (tools/deployment/pytorch2onnx.py does); it is also on while
 `torch.onnx`, `torch.export` or `torch.compile` trace the model.
+
+Sizes stay symbolic in export mode: no Python `float()` / `int()` of a size, no loop over the batch, no slice
+end computed from H or W, no `unflatten` whose output sizes are read back (the TorchScript ONNX exporter bakes
+those in). `export_onnx` writes one ONNX graph with dynamic batch, height and width this way.
 """
 import contextlib
 
@@ -44,3 +48,32 @@ def eager_inference():
     """No autograd recorded and not exporting: a function (not a module) may use kernels that have no
     autograd formula. Modules decide with `memory.inference(module)`, which also asks for eval mode."""
     return not torch.is_grad_enabled() and not exporting()
+
+
+def _onnx_expm1(g, x):
+    """aten::expm1 for the TorchScript ONNX exporter (ONNX has no Expm1): tanh(x/2) (exp(x) + 1), which equals
+    exp(x) - 1 without its cancellation for small |x| (ResT's EMSA relies on that precision)."""
+    half = g.op('Constant', value_t=torch.tensor(0.5))
+    one = g.op('Constant', value_t=torch.tensor(1.0))
+    return g.op('Mul', g.op('Tanh', g.op('Mul', x, half)), g.op('Add', g.op('Exp', x), one))
+
+
+def export_onnx(module, x, path, dynamic=True, input_name='input', output_names=None, opset=17):
+    """Write `module(x)` to the ONNX file `path` in export mode, without autograd, with the TorchScript-based
+    exporter (`torch.onnx.export(dynamo=False)`): with `dynamic`, the batch, height and width of the input
+    (and every output dimension that depends on them) are symbolic. The dynamo exporter (`torch.export`)
+    cannot do that for these models (docs/deployment.md), so it is used only for fixed sizes
+    (dynamic=False)."""
+    with torch.no_grad(), export_mode():
+        if not dynamic:
+            ep = torch.export.export(module, (x,), strict=False)
+            torch.onnx.export(ep, (x,), path, dynamo=True, verbose=False)
+            return
+        torch.onnx.register_custom_op_symbolic('aten::expm1', _onnx_expm1, opset)
+        outs = module(x)
+        n_out = 1 if torch.is_tensor(outs) else len(outs)
+        names = list(output_names or [f'output{i}' for i in range(n_out)])
+        axes = {input_name: {0: 'batch', 2: 'height', 3: 'width'}}
+        axes.update({name: {0: 'batch'} for name in names})   # the exporter adds the spatial axes it infers
+        torch.onnx.export(module, (x,), path, dynamo=False, input_names=[input_name], output_names=names,
+                          dynamic_axes=axes, opset_version=opset)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from mmengine.model.weight_init import trunc_normal_
 
 from .dtypes import HALF_DTYPES, autocast_off, autocasts_to
-from .export import eager_inference
+from .export import eager_inference, exporting
 from .memory import DEFAULT_POLICY, inference, recomputes
 from .rope import apply_rope
 from .tokens import check_token_count
@@ -52,6 +52,8 @@ def _swiglu_dz(z, v, fused):
 def _normalized_swiglu_grad(kta, n, scale):
     """k^T [a1 | a2] summed over n tokens -> normalised [g1 | g2]; the norm over dim -2 is per column, so
     both halves are normalised in one go."""
+    if exporting():   # n may be a traced size: divide by it in the graph instead of baking 1/n in
+        return normalize_inner_grad(kta * -scale / n, -2)
     return normalize_inner_grad(kta * (-scale / float(n)), -2)
 
 
@@ -79,6 +81,8 @@ def _fast_weights(w12, k):
 
 def _heads(t, num_heads):
     """(B, N, H*d) tokens -> (B, H, N, d) per-head view."""
+    if exporting():   # the ONNX tracer bakes the sizes of an `unflatten` output in; reshape keeps them symbolic
+        return t.reshape(t.shape[0], t.shape[1], num_heads, -1).transpose(1, 2)
     return t.unflatten(-1, (num_heads, -1)).transpose(1, 2)
 
 
@@ -91,6 +95,10 @@ def _swiglu_readout(z, out=None):
 def _conv_head(q2, k2, v2, w3, scale, lr):
     """The depth-wise 3x3 inner model: one gradient step on (k2, v2), applied to q2; maps (B, H, W, d)
     channels-last -> tokens (B, H*W, d)."""
+    if exporting():   # no loop over the batch: one graph for every batch size
+        d = q2.shape[-1]
+        w3 = w3.reshape(1, d, 9) - lr * dwconv_inner_grad(k2, v2, scale).to(w3.dtype).reshape(-1, d, 9)
+        return _dwconv_taps(q2, w3)
     w3 = w3.repeat(q2.shape[0], 1, 1, 1) - lr * dwconv_inner_grad(k2, v2, scale).to(w3.dtype)
     return dwconv_per_sample(q2, w3)
 
@@ -119,10 +127,32 @@ def dwconv_inner_grad(k, v, scale):
     b, h, w, c = k.shape
     kp = F.pad(k, (0, 0, 1, 1, 1, 1))
     acc = torch.float32 if k.dtype in HALF_DTYPES else None  # fp16 range: sums over H*W
+    if exporting():   # traced sizes stay in the graph (no Python float of H*W, no slice ends from H, W)
+        g = torch.stack([(kp[:, _tap(dy), _tap(dx)] * v).sum(dim=(1, 2), dtype=acc)
+                         for dy in range(3) for dx in range(3)], dim=-1)
+        return normalize_inner_grad((g * -scale / (h * w)).reshape(-1, 1, 3, 3), (-2, -1))
     g = torch.stack([(kp[:, dy:dy + h, dx:dx + w] * v).sum(dim=(1, 2), dtype=acc)
                      for dy in range(3) for dx in range(3)], dim=-1)
     g = (g * (-scale / float(h * w))).reshape(b * c, 1, 3, 3)
     return normalize_inner_grad(g, (-2, -1))
+
+
+def _tap(i):
+    """Rows / columns i .. i + size of a map zero-padded by one on both sides, without naming the size."""
+    return slice(i, i - 2 or None)
+
+
+def _dwconv_taps(x, weight):
+    """`dwconv_per_sample` as nine shifted multiply-adds (export mode: no loop over the batch, whose size
+    a tracer would bake in). x: (B, H, W, d) channels-last map; weight: (B, d, 9), taps in row-major
+    3x3 order. Returns (B, H*W, d) tokens."""
+    xp = F.pad(x, (0, 0, 1, 1, 1, 1))
+    taps = weight.transpose(1, 2).unsqueeze(2).unsqueeze(2)       # (B, 9, 1, 1, d)
+    out = None
+    for t in range(9):
+        term = xp[:, _tap(t // 3), _tap(t % 3)] * taps[:, t]
+        out = term if out is None else out + term
+    return out.flatten(1, 2)
 
 
 def dwconv_per_sample(x, weight):
@@ -158,7 +188,10 @@ def ttt_core(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, fused=False):
     w12 = _fast_weights(torch.cat([w1, w2], dim=-1), k1)
     w12 = w12 - (lr * _swiglu_grad_pair(k1, v1, w12, scale, fused)).to(w12.dtype)
     x1 = _swiglu_readout(q1 @ w12).transpose(1, 2).reshape(b, n, c)
-    x2 = _conv_head(*(t.unflatten(1, (h, w)) for t in (q2, k2, v2)), w3, scale, lr)
+    if exporting():   # reshape, not unflatten: see `_heads`
+        x2 = _conv_head(*(t.reshape(b, h, w, d) for t in (q2, k2, v2)), w3, scale, lr)
+    else:
+        x2 = _conv_head(*(t.unflatten(1, (h, w)) for t in (q2, k2, v2)), w3, scale, lr)
     return torch.cat([x1, x2.to(x1.dtype)], dim=-1)
 
 
