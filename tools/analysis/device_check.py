@@ -433,7 +433,8 @@ def main(argv=None):
         # time an earlier part left unused carries over, an overrun is taken from the later parts
         planned_end += args.budget * SHARES[part] / sum(SHARES[p] for p in parts)
         elapsed = time.perf_counter() - t0
-        timeout = max(60., min(args.budget - elapsed, planned_end - elapsed))
+        # (at least a minute, three for env, which imports everything first: a loaded machine is slow there)
+        timeout = max(180. if part == 'env' else 60., min(args.budget - elapsed, planned_end - elapsed))
         print(f'[device_check] {part} (limit {timeout:.0f} s) ...', flush=True)
         r, wall = run_part(argv, part, timeout)
         res['parts'][part], res['part_wall_s'][part] = r, wall
