@@ -167,15 +167,17 @@ def plot(summary, path):
     ax0.set_title('whole backbone')
     ax0.legend(fontsize=8)
     cycle = plt.rcParams['axes.prop_cycle'].by_key()['color']
-    lo, hi = 1e-2, 1e3
+    lo, hi = 0.3, 1e3
     for i, n in enumerate(names):
+        labelled = False
         for g, s in summary['models'][n]['layers'].items():
             if g == 'other' or not s['seconds'] or not s['macs'] or not s['bytes']:
                 continue
             ai, perf = s['macs'] / s['bytes'], s['macs'] / s['seconds'] / 1e9
             lo, hi = min(lo, ai), max(hi, ai)
             ax1.scatter(ai, perf, s=12 + 400 * s['seconds'] / summary['models'][n]['inference_s'],
-                        color=cycle[i % len(cycle)], alpha=.6, label=n if g == next(iter(summary['models'][n]['layers'])) else None)
+                        color=cycle[i % len(cycle)], alpha=.6, label=None if labelled else n)
+            labelled = True
     xx = [lo / 2, hi * 2]
     ax1.plot([lo / 2, peak / bw, hi * 2], [bw * lo / 2, peak, peak], 'k--', lw=1,
              label=f'roof: {bw:.0f} GB/s copy, {peak:.0f} GMAC/s matmul')
