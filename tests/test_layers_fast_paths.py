@@ -13,8 +13,8 @@ import torch.nn as nn
 from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST, nbytes, saved_for_backward
 from mmplugin_l2 import HViT3, L2ViT, ResT, ViT3
 from mmplugin_l2.models.layers import (CPE, EMSA, LCM, PA, Conv2dCL, ConvDownsample, ConvMlp, ConvStem, ConvStem2L,
-                                      LinearAttention, MemoryPolicy, Mlp, ResTPatchEmbed, ResTStem, TTTAttention,
-                                      WindowAttention, rope_tables, set_memory_policy)
+                                      L2ViTStem, LinearAttention, MemoryPolicy, Mlp, ResTPatchEmbed, ResTStem,
+                                      TTTAttention, WindowAttention, rope_tables, set_memory_policy)
 from mmplugin_l2.models.layers.bands import can_run_in_bands
 
 
@@ -286,3 +286,61 @@ def test_conv2d_channels_last_equals_conv2d(groups, k, stride):
     assert a.is_contiguous(memory_format=torch.channels_last)
     a.sum().backward()
     assert cl.weight.grad.shape == cl.weight.shape
+
+
+# ---- BatchNorm gradients in every memory layout -------------------------------------------------------
+def _functional_bn_reference(module):
+    """A float64 copy of `module` whose BatchNorms are computed from elementary ops (batch statistics in
+    train mode), so that autograd's gradient does not go through the CPU BatchNorm kernel."""
+    import copy
+
+    class PlainBN(nn.Module):
+        def __init__(self, bn):
+            super().__init__()
+            self.bn = bn
+
+        def forward(self, x):
+            if self.bn.training:
+                mean, var = x.mean(dim=(0, 2, 3), keepdim=True), x.var(dim=(0, 2, 3), unbiased=False, keepdim=True)
+            else:
+                mean, var = self.bn.running_mean.view(1, -1, 1, 1), self.bn.running_var.view(1, -1, 1, 1)
+            w, b = self.bn.weight.view(1, -1, 1, 1), self.bn.bias.view(1, -1, 1, 1)
+            return (x - mean) / torch.sqrt(var + self.bn.eps) * w + b
+
+    ref = copy.deepcopy(module).double()
+
+    def swap(parent):
+        for name, child in parent.named_children():
+            if isinstance(child, nn.BatchNorm2d):
+                setattr(parent, name, PlainBN(child))
+            else:
+                swap(child)
+    swap(ref)
+    return ref
+
+
+@pytest.mark.parametrize('train', [True, False])
+@pytest.mark.parametrize('cls,args,shape,tokens', [
+    (L2ViTStem, (3, 16), (3, 37, 29), True), (ResTPatchEmbed, (8, 16), (8, 9, 7), False),
+    (ResTStem, (3, 16), (3, 29, 31), False), (ConvStem, (3, 16), (3, 37, 29), False)])
+@pytest.mark.parametrize('batch', [1, 2])
+def test_batchnorm_gradients_when_the_output_becomes_tokens(cls, args, shape, tokens, train, batch):
+    """Input and parameter gradients of modules whose BatchNorm output is turned into tokens (a transpose,
+    so a channels-last gradient arrives at an NCHW BatchNorm) = a float64 reference with elementary-op BN.
+    torch's CPU BatchNorm backward is wrong by O(1) for that layout mix at batch 1; our BatchNorm2d fixes it."""
+    m = _random_(cls(*args), std=0.3).float().train(train)
+    ref = _functional_bn_reference(m).train(train)
+    x = torch.randn(batch, *shape)
+
+    def run(mod, inp):
+        out = mod(inp)
+        t = out[0] if tokens else out.flatten(2).transpose(1, 2)   # the tokens the next stage reads
+        w = torch.linspace(-1, 1, t.numel(), dtype=t.dtype).view_as(t)
+        inp_grad, *pg = torch.autograd.grad((t * w).sum(), [inp] + [p for p in mod.parameters()])
+        return inp_grad, pg
+    gx, gp = run(m, x.clone().requires_grad_())
+    rx, rp = run(ref, x.double().requires_grad_())
+    scale = rx.abs().max().item()
+    torch.testing.assert_close(gx.double(), rx, rtol=0, atol=1e-4 * scale)
+    for a, b in zip(gp, rp):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-4 * max(1., b.abs().max().item()))

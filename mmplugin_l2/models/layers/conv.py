@@ -1,11 +1,14 @@
-"""ConvLayer: conv -> optional BatchNorm2d -> optional activation (the authors' `ConvLayer`), and
-Conv2dCL, an nn.Conv2d that runs with a channels-last kernel.
+"""ConvLayer: conv -> optional BatchNorm2d -> optional activation (the authors' `ConvLayer`); Conv2dCL, an
+nn.Conv2d that runs with a channels-last kernel; BatchNorm2d, nn.BatchNorm2d with correct CPU gradients for
+every memory layout.
 
 Keys are `conv.*` and `norm.*`, the layout of the official checkpoints.
 Input and output are (B, C, H, W) tensors.
 """
 import torch
 import torch.nn as nn
+
+from .export import exporting
 
 
 class Conv2dCL(nn.Conv2d):
@@ -19,6 +22,28 @@ class Conv2dCL(nn.Conv2d):
 
     def forward(self, x):
         return self._conv_forward(x, self.weight.to(memory_format=torch.channels_last), self.bias)
+
+
+def _channels_last(x):
+    return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+
+
+class BatchNorm2d(nn.BatchNorm2d):
+    """nn.BatchNorm2d whose backward receives the gradient in the memory layout of its input.
+
+    On CPU (torch 2.14) the BatchNorm backward returns wrong input gradients, off by O(1), when the incoming
+    gradient is channels-last and the input NCHW, which happens whenever the output becomes tokens
+    (`map_to_tokens`, a transpose): L2ViT's stem, ResT's patch embeddings. A gradient hook on the output gives
+    the backward the input's layout (one copy of the gradient, only where the layouts differ). Same
+    parameters, keys, forward values and running statistics as nn.BatchNorm2d.
+    """
+
+    def forward(self, x):
+        y = super().forward(x)
+        if y.requires_grad and x.device.type == 'cpu' and not exporting():
+            fmt = torch.channels_last if _channels_last(x) else torch.contiguous_format
+            y.register_hook(lambda g: g if g.is_contiguous(memory_format=fmt) else g.contiguous(memory_format=fmt))
+        return y
 
 
 class ConvLayer(nn.Module):
@@ -39,7 +64,7 @@ class ConvLayer(nn.Module):
         conv = Conv2dCL if channels_last else nn.Conv2d
         self.conv = conv(in_channels, out_channels, kernel_size, stride=stride, padding=padding,
                               groups=groups, bias=bias)
-        self.norm = nn.BatchNorm2d(out_channels) if norm else None
+        self.norm = BatchNorm2d(out_channels) if norm else None
         self.act = act(inplace=True) if act is not None else None
 
     def forward(self, x):

@@ -8,7 +8,7 @@ Tokens (B, N, C) of an (H, W) map in, (B, N, C) out. No internal residual: the b
 """
 import torch.nn as nn
 
-from .conv import Conv2dCL
+from .conv import BatchNorm2d, Conv2dCL
 from .memory import inference
 from .mlp import gelu
 from .tokens import map_to_tokens, tokens_to_map
@@ -25,7 +25,7 @@ class LCM(nn.Module):
         super().__init__()
         pad = kernel_size // 2
         self.conv1 = Conv2dCL(dim, dim, kernel_size, padding=pad, groups=dim)
-        self.bn = nn.BatchNorm2d(dim)
+        self.bn = BatchNorm2d(dim)
         self.conv2 = Conv2dCL(dim, dim, kernel_size, padding=pad, groups=dim)
 
     def forward(self, x, hw_shape):

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .bands import ConvBNAct, can_run_in_bands, conv_chain_in_bands
-from .conv import ConvLayer
+from .conv import BatchNorm2d, ConvLayer
 from .export import exporting
 from .memory import DEFAULT_POLICY
 from .pa import PA
@@ -106,10 +106,10 @@ class ConvStem2L(nn.Module):
         super().__init__()
         self.proj = nn.Sequential(
             nn.Conv2d(in_channels, embed_dim // 2, 3, stride=2, padding=1),
-            nn.BatchNorm2d(embed_dim // 2),
+            BatchNorm2d(embed_dim // 2),
             nn.ReLU(inplace=True),
             nn.Conv2d(embed_dim // 2, embed_dim, 3, stride=2, padding=1),
-            nn.BatchNorm2d(embed_dim),
+            BatchNorm2d(embed_dim),
         )
 
     memory_policy = DEFAULT_POLICY
