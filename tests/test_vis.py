@@ -335,3 +335,10 @@ def test_grad_cam_with_our_reshape_transform(tmp_path):
     assert grey.max() > 0
     with pytest.raises(KeyError, match='backbone.stages.3.1'):
         cam.get_layer(model, 'backbone.stage.9')
+
+
+def test_backbones_declare_no_extra_tokens():
+    """mmpretrain's vis_cam.py --vit-like drops `backbone.num_extra_tokens` tokens (1 when the attribute is
+    missing); ours have no class token."""
+    from mmplugin_l2 import HViT3, L2ViT, ResT, ViT3
+    assert all(cls.num_extra_tokens == 0 for cls in (HViT3, ViT3, L2ViT, ResT))

@@ -114,6 +114,8 @@ class PyramidBackbone(BaseModule):
 
     #: `stage_output` makes LayerNorm-ed maps NCHW-contiguous (False: the channels-last view of the tokens)
     contiguous_outputs = True
+    #: no class token: mmpretrain's `vis_cam.py --vit-like` reads this to know how many tokens to drop
+    num_extra_tokens = 0
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
