@@ -232,7 +232,7 @@ def test_train_benchmark_runs_variants_and_rounds(tmp_path):
     assert rows['hvit3_t']['infer_ms']['n'] == 4
     assert res['best_variants']['64x64/b2']['hvit3_t']['fastest'] in rows
     md = (out / 'train_benchmark.md').read_text()
-    assert '**64x64, batch 2**' in md and '`hvit3_t[cp]`' in md
+    assert '**64×64, batch 2**' in md and '`hvit3_t[cp]`' in md
 
 
 def test_train_benchmark_tables_and_ratios():
