@@ -1,0 +1,115 @@
+"""torch.compile check: compile each backbone (default mode, `dynamic=True`), compare with eager and time both.
+
+    python tools/analysis/compile_check.py [--models hvit3_t l2vit_t rest_s vit3_t ...] [--sizes 224x224 200x296]
+        [--tiny] [--repeat 3] [--threads N]
+
+For every model and size: the first compiled call (compile time; later sizes reuse the graph when the dynamic
+shapes hold), the max relative difference of the compiled outputs to eager PyTorch, and the steady-state latency
+of both (median of --repeat calls, after one warm-up) and their ratio. While compiling, the layers take their
+export-mode paths (mmplugin_l2/models/layers/export.py): the compiled graph is the whole-map formulation, eager
+runs the inference fast paths; the two are the same function. `--tiny`: narrow widths (seconds instead of
+minutes). Exits 1 if a relative difference exceeds --bound (default 1e-5). A check, not a default.
+"""
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+TINY = {
+    'HViT3': dict(embed_dims=[16, 32, 64, 64], depths=[1, 1, 2, 1], num_heads=[1, 1, 2, 2]),
+    'ViT3': dict(embed_dims=32, num_layers=2, num_heads=2),
+    'L2ViT': dict(embed_dims=[16, 32, 64, 64], depths=[2, 2, 2, 2], num_heads=[1, 2, 2, 2]),
+    'ResT': dict(embed_dims=[16, 32, 48, 64], depths=[1, 1, 2, 1], num_heads=[1, 2, 3, 4]),
+}
+FAMILIES = {'hvit3': 'HViT3', 'vit3': 'ViT3', 'l2vit': 'L2ViT', 'rest': 'ResT'}
+ARCHS = {'t': 'tiny', 's': 'small', 'b': 'base', 'l': 'large', 'lite': 'lite'}
+
+
+def build(name, tiny=False, **kw):
+    """A backbone by name `<family>_<arch>` (hvit3_t, vit3_s, l2vit_b, rest_lite, ...), or its narrow
+    version with `tiny`, in eval mode with randomised weights (norms and biases too)."""
+    import mmplugin_l2
+    from mmplugin_l2.analysis import authors
+    family, _, arch = name.partition('_')
+    if family not in FAMILIES or arch not in ARCHS:
+        raise SystemExit(f'error: unknown model {name!r}: use <{"|".join(FAMILIES)}>_<{"|".join(ARCHS)}>')
+    cls = getattr(mmplugin_l2, FAMILIES[family])
+    torch.manual_seed(0)
+    model = cls(arch=TINY[cls.__name__] if tiny else ARCHS[arch], drop_path_rate=0., **kw)
+    return authors.randomize_(model, seed=1).eval()
+
+
+def _outputs(y):
+    return [y] if torch.is_tensor(y) else list(y)
+
+
+def _time(fn, x, repeat):
+    fn(x)
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def check(model, sizes, repeat=3, timing=True):
+    """[dict(size, first_call_s, rel_diff, eager_s, compiled_s)] for `torch.compile(model, dynamic=True)`."""
+    compiled = torch.compile(model, dynamic=True)
+    rows = []
+    with torch.no_grad():
+        for size in sizes:
+            x = torch.randn(1, 3, *size, generator=torch.Generator().manual_seed(size[0] * 7919 + size[1]))
+            ref = _outputs(model(x))
+            t = time.perf_counter()
+            got = _outputs(compiled(x))
+            first = time.perf_counter() - t
+            if len(got) != len(ref) or any(g.shape != r.shape for g, r in zip(got, ref)):
+                raise SystemExit(f'error: compiled outputs {[tuple(g.shape) for g in got]} != eager '
+                                 f'{[tuple(r.shape) for r in ref]} at {size}')
+            rel = max(((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for g, r in zip(got, ref))
+            row = dict(size=tuple(size), first_call_s=first, rel_diff=rel)
+            if timing:
+                row.update(eager_s=_time(model, x, repeat), compiled_s=_time(compiled, x, repeat))
+            rows.append(row)
+    return rows
+
+
+def parse_size(text):
+    try:
+        h, w = (int(v) for v in text.lower().split('x'))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'size {text!r} is not HxW') from None
+    return h, w
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--models', nargs='+', default=['hvit3_t', 'vit3_t', 'l2vit_t', 'rest_s'])
+    p.add_argument('--sizes', nargs=2, type=parse_size, default=[(224, 224), (200, 296)], metavar='HxW')
+    p.add_argument('--tiny', action='store_true', help='narrow widths')
+    p.add_argument('--repeat', type=int, default=3)
+    p.add_argument('--threads', type=int, default=None)
+    p.add_argument('--bound', type=float, default=1e-5)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    worst = 0.
+    print(f'torch {torch.__version__}, {torch.get_num_threads()} threads, torch.compile(dynamic=True), '
+          f'{"tiny widths" if args.tiny else "real widths"}')
+    for name in args.models:
+        rows = check(build(name, args.tiny), args.sizes, args.repeat)
+        for r in rows:
+            worst = max(worst, r['rel_diff'])
+            print(f'{name:10s} {r["size"][0]}x{r["size"][1]}: first compiled call {r["first_call_s"]:.1f} s, '
+                  f'max rel diff {r["rel_diff"]:.1e}, eager {r["eager_s"] * 1e3:.1f} ms, compiled '
+                  f'{r["compiled_s"] * 1e3:.1f} ms (x{r["eager_s"] / r["compiled_s"]:.2f})', flush=True)
+    print(f'worst relative difference {worst:.1e} ({"OK" if worst <= args.bound else "FAILED"}, bound {args.bound:g})')
+    if worst > args.bound:
+        sys.exit(1)
+
+
+if __name__ == '__main__':
+    main()
