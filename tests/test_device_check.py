@@ -31,10 +31,6 @@ MODES = {
     'eval_grad': ({}, False, True),                          # eval mode, autograd recording
     'eval_no_grad': ({}, False, False),                      # inference
 }
-#: H-ViT3's TTTCore (layers/ttt.py, TTTCore.forward) asks torch for the autocast state of the input's device,
-#: which raises for a device without autocast (meta here): the one known failure, reported; any other error
-#: fails the test, and the test passes once it is fixed.
-TTT_CORE_AUTOCAST = 'unknown device type for autocast'
 
 
 def _no_recompute(label):
@@ -62,13 +58,7 @@ def test_forward_backward_on_meta_device(backbone, mode):
     size = (224, 224) if backbone.startswith('vit3') else (800, 1344)
     with torch.device('meta'):
         model = BACKBONES[backbone](drop_path_rate=0.1, **overrides)
-    try:
-        outs, x = meta_step(model, train, grad, size)
-    except RuntimeError as e:
-        if backbone.startswith(('hvit3', 'vit3')) and TTT_CORE_AUTOCAST in str(e):
-            pytest.xfail('layers/ttt.py TTTCore.forward: torch.is_autocast_enabled(dev) / get_autocast_dtype(dev) '
-                         'raise for a device without autocast (meta); guard with torch.amp.is_autocast_available')
-        raise
+    outs, x = meta_step(model, train, grad, size)
     assert all(o.device.type == 'meta' for o in outs)
     if backbone.startswith('vit3'):
         assert [tuple(o.shape) for o in outs] == [(2, 192, 14, 14)]

@@ -253,7 +253,8 @@ class TTTCore(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
         dev = qkv.device.type
-        ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        on = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)   # (meta has no autocast)
+        ctx.autocast = (dev, on, torch.get_autocast_dtype(dev) if on else None)
         ctx.args = (hw_shape, num_heads, scale, lr)
         ctx.rot = rot
         ctx.save_for_backward(qkv, w1, w2, w3)
@@ -265,7 +266,8 @@ class TTTCore(torch.autograd.Function):
         needs = [ctx.needs_input_grad[i] for i in (0, 2, 3, 4)]
         inputs = [t.detach().requires_grad_(r) for t, r in zip(saved, needs)]
         dev, enabled, dtype = ctx.autocast
-        with torch.enable_grad(), torch.autocast(dev, enabled=enabled, dtype=dtype):
+        amp = torch.autocast(dev, enabled=True, dtype=dtype) if enabled else autocast_off(dev)
+        with torch.enable_grad(), amp:
             out = ttt_core(inputs[0], ctx.rot, *inputs[1:], *ctx.args)
         wrt = [t for t, r in zip(inputs, needs) if r]
         grads = iter(torch.autograd.grad(out, wrt, grad_out)) if wrt else iter(())
