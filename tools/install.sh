@@ -24,7 +24,7 @@ stack_installed() {
   # run outside the checkout, so that `import mmplugin_l2` cannot succeed just because it is the cwd
   (cd / && "$PY" - "$here" <<'PY' 2>/dev/null
 import os.path as osp, sys
-import mmcv, mmcv.ops, mmdet, mmseg, mmpretrain, onnxruntime, pycocotools, mim, pytest  # noqa: F401
+import mmcv, mmcv.ops, mmdet, mmseg, mmpretrain, onnxruntime, pycocotools, mim, pytest, pytorch_grad_cam  # noqa: F401
 import mmplugin_l2
 assert mmcv.__version__ == '2.1.0', mmcv.__version__
 assert osp.samefile(osp.dirname(mmplugin_l2.__file__), osp.join(sys.argv[1], 'mmplugin_l2'))
@@ -37,6 +37,12 @@ if [ "${1:-}" != "--force" ] && stack_installed; then
   echo "[install] the stack is installed ($("$PY" -c 'import sys; print(sys.executable)')): nothing to do"
   exit 0
 fi
+
+# every pip call below keeps setuptools in that range: a later install that resolves torch's dependencies
+# (e.g. grad-cam) would otherwise upgrade it past 81, which drops pkg_resources (openmim imports it)
+cons=$(mktemp)
+echo 'setuptools>=77.0.3,<82' > "$cons"
+export PIP_CONSTRAINT="${PIP_CONSTRAINT:+$PIP_CONSTRAINT }$cons"
 
 echo "[install 1/3] torch, mmengine and the Python dependencies..."
 if ! "$PY" -c "import torch, torchvision" 2>/dev/null; then
