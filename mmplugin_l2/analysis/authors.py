@@ -61,6 +61,21 @@ def check_root(family, root):
     return path
 
 
+def checked_roots(pairs, error):
+    """`--authors-code FAMILY=PATH ...` pairs -> {family: absolute path}, each root checked (`check_root`);
+    `error(message)` reports a family given twice or a root that is not a checkout of that family."""
+    roots = {}
+    for fam, path in pairs:
+        if fam in roots:
+            error(f'--authors-code: {fam} given twice')
+        try:
+            check_root(fam, path)
+        except FileNotFoundError as e:
+            error(f'--authors-code: {e}')
+        roots[fam] = osp.abspath(path)
+    return roots
+
+
 def require_timm():
     try:
         importlib.import_module('timm')

@@ -71,16 +71,7 @@ def parse_args(argv=None):
     p.add_argument('--authors-root', help=argparse.SUPPRESS)
     p.add_argument('--cfg', help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    code = {}
-    for fam, path in args.authors_code:
-        if fam in code:
-            p.error(f'--authors-code: {fam} given twice')
-        try:
-            authors.check_root(fam, path)
-        except FileNotFoundError as e:
-            p.error(f'--authors-code: {e}')
-        code[fam] = osp.abspath(path)
-    args.authors_code = code
+    args.authors_code = authors.checked_roots(args.authors_code, p.error)
     return args
 
 

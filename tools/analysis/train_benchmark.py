@@ -76,16 +76,7 @@ def parse_args(argv=None):
         p.error(f'--variants: unknown {sorted(set(args.variants) - known)}; choose from {sorted(known)}')
     if min(args.batches) < 1 or args.iters < 1 or args.warmup < 0 or args.rounds < 1:
         p.error('--batches and --iters must be >= 1, --warmup >= 0, --rounds >= 1')
-    code = {}
-    for fam, path in args.authors_code:
-        if fam in code:
-            p.error(f'--authors-code: {fam} given twice')
-        try:
-            authors.check_root(fam, path)
-        except FileNotFoundError as e:
-            p.error(f'--authors-code: {e}')
-        code[fam] = osp.abspath(path)
-    args.authors_code = code
+    args.authors_code = authors.checked_roots(args.authors_code, p.error)
     return args
 
 
