@@ -326,7 +326,7 @@ def _functional_bn_reference(module):
 @pytest.mark.parametrize('batch', [1, 2])
 def test_batchnorm_gradients_when_the_output_becomes_tokens(cls, args, shape, tokens, train, batch):
     """Input and parameter gradients of modules whose BatchNorm output is turned into tokens (a transpose,
-    so a channels-last gradient arrives at an NCHW BatchNorm) = a float64 reference with elementary-op BN.
+    so a channels-last gradient can arrive at an NCHW BatchNorm) = a float64 reference with elementary-op BN.
     torch's CPU BatchNorm backward is wrong by O(1) for that layout mix at batch 1; our BatchNorm2d fixes it."""
     m = _random_(cls(*args), std=0.3).float().train(train)
     ref = _functional_bn_reference(m).train(train)

@@ -32,8 +32,9 @@ class BatchNorm2d(nn.BatchNorm2d):
     """nn.BatchNorm2d whose backward receives the gradient in the memory layout of its input.
 
     On CPU (torch 2.14) the BatchNorm backward returns wrong input gradients, off by O(1), when the incoming
-    gradient is channels-last and the input NCHW, which happens whenever the output becomes tokens
-    (`map_to_tokens`, a transpose): L2ViT's stem, ResT's patch embeddings. A gradient hook on the output gives
+    gradient is channels-last and the input NCHW at batch 1, which happens when the output becomes tokens
+    (`map_to_tokens`, a transpose) directly: L2ViT's stem (ResT's PA gate in between gives an NCHW gradient).
+    Every BatchNorm here is this class, so no other path can hit it. A gradient hook on the output gives
     the backward the input's layout (one copy of the gradient, only where the layouts differ). Same
     parameters, keys, forward values and running statistics as nn.BatchNorm2d.
     """
