@@ -61,6 +61,17 @@ def check_root(family, root):
     return path
 
 
+def family_path(s):
+    """argparse type of `--authors-code FAMILY=PATH`: -> (family, path), family matched case-insensitively."""
+    import argparse
+    fam, sep, path = s.partition('=')
+    match = [f for f in FAMILIES if f.lower() == fam.strip().lower()]
+    if not sep or not path or not match:
+        raise argparse.ArgumentTypeError(f'expected FAMILY=PATH with FAMILY one of '
+                                         f'{", ".join(FAMILIES)}, got {s!r}')
+    return match[0], path
+
+
 def checked_roots(pairs, error):
     """`--authors-code FAMILY=PATH ...` pairs -> {family: absolute path}, each root checked (`check_root`);
     `error(message)` reports a family given twice or a root that is not a checkout of that family."""

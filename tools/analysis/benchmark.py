@@ -42,14 +42,6 @@ from mmplugin_l2.analysis import authors
 from mmplugin_l2.analysis import benchmark as bm
 
 
-def _family_path(s):
-    """'FAMILY=PATH' -> (family, path), family matched case-insensitively."""
-    fam, sep, path = s.partition('=')
-    match = [f for f in authors.FAMILIES if f.lower() == fam.strip().lower()]
-    if not sep or not path or not match:
-        raise argparse.ArgumentTypeError(f'expected FAMILY=PATH with FAMILY one of '
-                                         f'{", ".join(authors.FAMILIES)}, got {s!r}')
-    return match[0], path
 
 
 def parse_args(argv=None):
@@ -64,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument('--device', default='cuda' if _cuda() else 'cpu')
     p.add_argument('--no-memory', action='store_true', help='skip the training-step memory measurements')
     p.add_argument('--out-dir', default='work_dirs/benchmark')
-    p.add_argument('--authors-code', nargs='+', type=_family_path, default=[], metavar='FAMILY=PATH',
+    p.add_argument('--authors-code', nargs='+', type=authors.family_path, default=[], metavar='FAMILY=PATH',
                    help='also measure the authors\' implementations from these checkouts, FAMILY one of '
                         f'{", ".join(authors.FAMILIES)} (see below)')
     p.add_argument('--worker', nargs=3, metavar=('MODEL', 'SIZE', 'MODE'), help=argparse.SUPPRESS)

@@ -36,13 +36,6 @@ from mmplugin_l2.analysis import train_step as ts
 DEFAULT_MODELS = ['hvit3_t', 'l2vit_t', 'rest_s', 'swin_t', 'pvtv2_b2']
 
 
-def _family_path(s):
-    fam, sep, path = s.partition('=')
-    match = [f for f in authors.FAMILIES if f.lower() == fam.strip().lower()]
-    if not sep or not path or not match:
-        raise argparse.ArgumentTypeError(f'expected FAMILY=PATH with FAMILY one of '
-                                         f'{", ".join(authors.FAMILIES)}, got {s!r}')
-    return match[0], path
 
 
 def _cuda():
@@ -66,7 +59,7 @@ def parse_args(argv=None):
     p.add_argument('--no-inference', action='store_true', help='training steps only')
     p.add_argument('--device', default='cuda' if _cuda() else 'cpu')
     p.add_argument('--out-dir', default='work_dirs/train_benchmark')
-    p.add_argument('--authors-code', nargs='+', type=_family_path, default=[], metavar='FAMILY=PATH')
+    p.add_argument('--authors-code', nargs='+', type=authors.family_path, default=[], metavar='FAMILY=PATH')
     p.add_argument('--worker', nargs=4, metavar=('MODEL', 'SIZE', 'BATCH', 'MODE'), help=argparse.SUPPRESS)
     p.add_argument('--authors-root', help=argparse.SUPPRESS)
     p.add_argument('--cfg', help=argparse.SUPPRESS)
