@@ -344,3 +344,34 @@ def test_batchnorm_gradients_when_the_output_becomes_tokens(cls, args, shape, to
     torch.testing.assert_close(gx.double(), rx, rtol=0, atol=1e-4 * scale)
     for a, b in zip(gp, rp):
         torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-4 * max(1., b.abs().max().item()))
+
+
+# ---- training graphs ---------------------------------------------------------------------------
+def _graph_nodes(outputs):
+    """Names of every autograd node reachable from `outputs`."""
+    seen, names, todo = set(), set(), [o.grad_fn for o in outputs]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    return names
+
+
+@pytest.mark.parametrize('name', sorted(BACKBONES))
+@pytest.mark.parametrize('recompute', [True, False])
+def test_training_graph_has_no_in_place_writes_into_views(name, recompute):
+    """A training step's graph has no CopySlices / AsStrided node: residuals are added out of place while
+    autograd records (`tokens.add_residual`). An in-place add on a view (a Linear's 3-D output, a conv output
+    seen as tokens) makes backward rebuild the base tensor, a zero-filled map and a copy per add."""
+    torch.manual_seed(0)
+    m = BACKBONES[name]()
+    for mod in m.modules():
+        if hasattr(mod, 'recompute'):
+            mod.recompute = recompute
+    m.train()
+    outs = m(torch.randn(2, 3, 64, 72))
+    nodes = _graph_nodes(outs)
+    assert {'CopySlices', 'AsStridedBackward0'}.isdisjoint(nodes), nodes

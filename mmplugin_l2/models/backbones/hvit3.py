@@ -20,7 +20,7 @@ from mmcv.cnn.bricks import DropPath
 from mmengine.model.weight_init import trunc_normal_
 from mmengine.registry import MODELS
 
-from ..layers import (CPE, ConvDownsample, ConvMlp, ConvStem, Mlp, TTTAttention, map_to_tokens,
+from ..layers import (CPE, ConvDownsample, ConvMlp, ConvStem, Mlp, TTTAttention, add_residual, map_to_tokens,
                       pad_to_multiple, rope_tables, tokens_to_map)
 from ..pyramid import PyramidBackbone, resolve_arch
 
@@ -51,11 +51,10 @@ class TTTBlock(nn.Module):
         self.mlp = (ConvMlp if conv_mlp else Mlp)(dim, int(dim * mlp_ratio), drop=drop, recompute=recompute)
 
     def forward(self, x, hw_shape, rope=None):
-        # residuals are added into the branch outputs: none of conv, proj, fc2 or DropPath keeps its
-        # output for backward, so this is autograd-safe and saves a (B, N, C) temporary per add
-        x = self.cpe(x, hw_shape).add_(x)
-        x = self.drop_path(self.attn(self.norm1(x), hw_shape, rope)).add_(x)
-        return self.drop_path(self.mlp(self.norm2(x), hw_shape)).add_(x)
+        # add_residual: into the branch output at inference, out of place in training
+        x = add_residual(self.cpe(x, hw_shape), x)
+        x = add_residual(self.drop_path(self.attn(self.norm1(x), hw_shape, rope)), x)
+        return add_residual(self.drop_path(self.mlp(self.norm2(x), hw_shape)), x)
 
 
 class HViT3Stage(nn.Module):

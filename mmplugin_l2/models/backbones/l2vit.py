@@ -38,7 +38,8 @@ from mmcv.cnn.bricks import DropPath
 from mmengine.model.weight_init import trunc_normal_
 from mmengine.registry import MODELS
 
-from ..layers import LCM, L2ViTDownsample, L2ViTStem, LinearAttention, Mlp, ResidualCPE, WindowAttention
+from ..layers import (LCM, L2ViTDownsample, L2ViTStem, LinearAttention, Mlp, ResidualCPE, WindowAttention,
+                      add_residual)
 from ..layers.recompute import recomputed_branch as _branch
 from ..pyramid import PyramidBackbone, resolve_arch
 
@@ -67,11 +68,11 @@ class LWABlock(nn.Module):
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
 
     def forward(self, x, hw_shape):
-        # residuals are added into the branch outputs (proj / fc2 / DropPath keep no output for backward)
+        # add_residual: into the branch output at inference, out of place in training
         x = self.cpe[0](x, hw_shape)
-        x = self.drop_path(_branch(self, self.norm1, self.attn, x, hw_shape)).add_(x)
+        x = add_residual(self.drop_path(_branch(self, self.norm1, self.attn, x, hw_shape)), x)
         x = self.cpe[1](x, hw_shape)
-        return self.drop_path(_branch(self, self.norm2, self.mlp, x)).add_(x)
+        return add_residual(self.drop_path(_branch(self, self.norm2, self.mlp, x)), x)
 
 
 class LGABlock(nn.Module):
@@ -91,9 +92,9 @@ class LGABlock(nn.Module):
 
     def forward(self, x, hw_shape):
         x = self.cpe[0](x, hw_shape)
-        x = self.drop_path(_branch(self, self.norm1, self.attn, x)).add_(x)
-        x = self.drop_path(_branch(self, self.norm3, self.local_mp, x, hw_shape)).add_(x)
-        return self.drop_path(_branch(self, self.norm2, self.mlp, x)).add_(x)
+        x = add_residual(self.drop_path(_branch(self, self.norm1, self.attn, x)), x)
+        x = add_residual(self.drop_path(_branch(self, self.norm3, self.local_mp, x, hw_shape)), x)
+        return add_residual(self.drop_path(_branch(self, self.norm2, self.mlp, x)), x)
 
 
 @MODELS.register_module()

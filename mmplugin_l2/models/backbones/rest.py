@@ -30,7 +30,7 @@ from mmcv.cnn.bricks import DropPath
 from mmengine.model.weight_init import trunc_normal_
 from mmengine.registry import MODELS
 
-from ..layers import EMSA, Mlp, ResTPatchEmbed, ResTStem, map_to_tokens, tokens_to_map
+from ..layers import EMSA, Mlp, ResTPatchEmbed, ResTStem, add_residual, map_to_tokens, tokens_to_map
 from ..pyramid import PyramidBackbone, resolve_arch
 
 
@@ -60,9 +60,9 @@ class ResTBlock(nn.Module):
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
 
     def forward(self, x, hw_shape):
-        # residuals added into the branch outputs (proj / fc2 / DropPath keep no output for backward)
-        x = self.drop_path(self.attn(self.norm1(x), hw_shape)).add_(x)
-        return self.drop_path(self.mlp(self.norm2(x))).add_(x)
+        # add_residual: into the branch output at inference, out of place in training
+        x = add_residual(self.drop_path(self.attn(self.norm1(x), hw_shape)), x)
+        return add_residual(self.drop_path(self.mlp(self.norm2(x))), x)
 
 
 class ResTStage(nn.Module):

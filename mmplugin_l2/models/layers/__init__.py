@@ -16,7 +16,7 @@ from .pa import PA
 from .rope import apply_rope, rope_tables
 from .stems import (ConvDownsample, ConvStem, ConvStem2L, L2ViTDownsample, L2ViTStem, ResTPatchEmbed,
                     ResTStem)
-from .tokens import map_to_tokens, pad_to_multiple, tokens_conv, tokens_to_map
+from .tokens import add_residual, map_to_tokens, pad_to_multiple, tokens_conv, tokens_to_map
 from .ttt import TTTAttention, dwconv_inner_grad, normalize_inner_grad, swiglu_inner_grads
 from .window_attention import WindowAttention, window_partition, window_reverse
 
@@ -24,7 +24,7 @@ __all__ = [
     'Conv2dCL', 'ConvLayer', 'CPE', 'ResidualCPE', 'EMSA', 'ChunkedEMSAAttention', 'emsa_attention',
     'naive_emsa_attention', 'LCM', 'LinearAttention', 'MemoryPolicy', 'set_memory_policy', 'ConvMlp', 'Mlp',
     'PA', 'apply_rope', 'rope_tables', 'ConvDownsample', 'ConvStem', 'ConvStem2L', 'L2ViTDownsample',
-    'L2ViTStem', 'ResTPatchEmbed', 'ResTStem', 'map_to_tokens', 'pad_to_multiple', 'tokens_conv',
+    'L2ViTStem', 'ResTPatchEmbed', 'ResTStem', 'add_residual', 'map_to_tokens', 'pad_to_multiple', 'tokens_conv',
     'tokens_to_map', 'TTTAttention', 'dwconv_inner_grad', 'normalize_inner_grad', 'swiglu_inner_grads',
     'WindowAttention', 'window_partition', 'window_reverse',
 ]

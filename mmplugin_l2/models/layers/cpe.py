@@ -8,7 +8,7 @@ x + CPE(x), with the conv under the key `proj`.
 import torch.nn as nn
 
 from .conv import Conv2dCL
-from .tokens import tokens_conv
+from .tokens import add_residual, tokens_conv
 
 
 class CPE(Conv2dCL):
@@ -31,4 +31,4 @@ class ResidualCPE(nn.Module):
         self.proj = CPE(dim, 3)
 
     def forward(self, x, hw_shape):
-        return self.proj(x, hw_shape).add_(x)
+        return add_residual(self.proj(x, hw_shape), x)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from .conv import Conv2dCL
 from .memory import DEFAULT_POLICY, inference
 from .recompute import recomputed
-from .tokens import tokens_conv
+from .tokens import add_residual, tokens_conv
 
 
 class ConvMlp(nn.Module):
@@ -42,7 +42,7 @@ class ConvMlp(nn.Module):
             return self._forward_bands(x, hw_shape, piece)
         inplace = inference(self)
         x = self.drop(gelu(self.fc1(x), inplace))
-        x = gelu(tokens_conv(self.dwc, x, hw_shape).add_(x), inplace)   # conv(x) + x: the conv keeps no output
+        x = gelu(add_residual(tokens_conv(self.dwc, x, hw_shape), x), inplace)
         return self.drop(self.fc2(x))
 
     def _forward_bands(self, x, hw_shape, piece):

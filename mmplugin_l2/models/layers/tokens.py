@@ -1,4 +1,5 @@
 """Generic shape helpers: tokens (B, N, C) <-> maps (B, C, H, W), and padding a map to a multiple."""
+import torch
 import torch.nn.functional as F
 
 from .export import exporting
@@ -35,3 +36,15 @@ def pad_to_multiple(x, multiple):
     if exporting() or pad_h or pad_w:  # exporting: one graph for every size, a zero pad is a no-op
         x = F.pad(x, (0, pad_w, 0, pad_h))
     return x
+
+
+def add_residual(y, x):
+    """y + x for a branch output y that nothing keeps for backward (a conv, linear or DropPath output).
+
+    Without autograd the sum goes into y (no new map-sized tensor). With autograd recording it is out of
+    place: y is often a view (a Linear's 3-D output, a conv output seen as tokens), and an in-place add on
+    a view makes autograd rebuild the whole base tensor in backward (CopySlices / AsStrided, a zero-filled
+    map and a copy per add), which cost more than the fresh tensor."""
+    if torch.is_grad_enabled() and (y.requires_grad or x.requires_grad):
+        return y + x
+    return y.add_(x)

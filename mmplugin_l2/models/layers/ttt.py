@@ -39,8 +39,7 @@ def normalize_inner_grad(g, dim):
 def _swiglu_dz(z, v, fused):
     """[dL/dz1 | dL/dz2] up to the factor -scale/N, for z = k [W1 | W2] (..., 2d) and values v (..., d).
     `fused=True` (no autograd needed) computes v * z1 * SiLU'(z2) in one kernel."""
-    d = v.shape[-1]
-    z1, z2 = z[..., :d], z[..., d:]
+    z1, z2 = z.split(v.shape[-1], dim=-1)   # split, not slices: its backward is one cat, no zero-filled maps
     if fused:
         a2 = torch.ops.aten.silu_backward(v * z1, z2)
     else:
@@ -88,8 +87,8 @@ def _heads(t, num_heads):
 
 def _swiglu_readout(z, out=None):
     """The updated SwiGLU model's output (z W1') * SiLU(z W2') from z = q [W1' | W2'] (..., 2d)."""
-    d = z.shape[-1] // 2
-    return torch.mul(z[..., :d], F.silu(z[..., d:]), out=out)
+    z1, z2 = z.chunk(2, dim=-1)
+    return torch.mul(z1, F.silu(z2), out=out)
 
 
 def _conv_head(q2, k2, v2, w3, scale, lr):
