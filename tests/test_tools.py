@@ -143,3 +143,22 @@ def test_missing_pretrained_weights_are_explained(workdir):
     assert r.returncode != 0 and 'Traceback' not in r.stderr
     assert "pretrained backbone weights not found: 'data/pretrained/nope.pth'" in r.stderr
     assert 'model.backbone.init_cfg=None' in r.stderr
+
+
+def test_profile_iteration_splits_a_mask_rcnn_iteration(workdir):
+    """tools/analysis/profile_iteration.py on the demo Mask R-CNN (narrow backbone): every part of the
+    iteration is timed, the parts add up to the total, the backward is split at the backbone's outputs."""
+    cfg = write_cfg(workdir, 'det_prof', 'mask_rcnn_hvit3_t_demo.py',
+                    f"model = dict({TINY}, neck=dict(in_channels=[16, 32, 64, 64]))\n")
+    run(workdir, cfg, '--iters', '2', '--warmup', '0', '--out', 'prof.json', tool='analysis/profile_iteration.py')
+    rows = {r['part']: r for r in json.loads((workdir / 'prof.json').read_text())['rows']}
+    for part in ('data loading', 'data preprocessor', 'forward, backbone', 'forward, neck', 'forward, rpn_head',
+                 'forward, roi_head', 'forward, other', 'backward, heads + neck', 'backward, backbone',
+                 'optimizer step'):
+        assert rows[part]['median_s'] >= 0 and rows[part]['min_s'] <= rows[part]['max_s'], part
+    for part in ('forward, backbone', 'forward, roi_head', 'backward, heads + neck', 'backward, backbone'):
+        assert rows[part]['median_s'] > 0, part
+    parts = sum(r['median_s'] for k, r in rows.items() if k != 'total')
+    assert abs(parts - rows['total']['median_s']) < 0.2 * rows['total']['median_s']
+    r = run(workdir, cfg, '--iters', '0', tool='analysis/profile_iteration.py', check=False)
+    assert r.returncode != 0 and '--iters must be >= 1' in r.stderr

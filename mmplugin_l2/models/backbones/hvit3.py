@@ -22,6 +22,7 @@ from mmengine.registry import MODELS
 
 from ..layers import (CPE, ConvDownsample, ConvMlp, ConvStem, Mlp, TTTAttention, add_residual, map_to_tokens,
                       pad_to_multiple, rope_tables, tokens_to_map)
+from ..layers.export import stage_boundary
 from ..pyramid import PyramidBackbone, resolve_arch
 
 
@@ -137,6 +138,8 @@ class HViT3(PyramidBackbone):
         x = self.pos_drop(map_to_tokens(x))
         outs = []
         for i, stage in enumerate(self.layers):
+            if i:
+                stage_boundary()
             rope = rope_tables(*hw, x.shape[-1], device=x.device)
             for block in stage.blocks:
                 x = self.run_block(block, x, hw, rope)

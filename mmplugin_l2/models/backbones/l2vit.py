@@ -40,6 +40,7 @@ from mmengine.registry import MODELS
 
 from ..layers import (LCM, L2ViTDownsample, L2ViTStem, LinearAttention, Mlp, ResidualCPE, WindowAttention,
                       add_residual)
+from ..layers.export import stage_boundary
 from ..layers.recompute import recomputed_branch as _branch
 from ..pyramid import PyramidBackbone, resolve_arch
 
@@ -193,6 +194,7 @@ class L2ViT(PyramidBackbone):
             if i == 0:
                 x, hw = self.downsample_layers[0](x)
             else:
+                stage_boundary()
                 x, hw = self.downsample_layers[i](x, hw)
             for block in self.stages[i]:
                 x = self.run_block(block, x, hw)

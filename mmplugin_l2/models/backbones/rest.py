@@ -31,6 +31,7 @@ from mmengine.model.weight_init import trunc_normal_
 from mmengine.registry import MODELS
 
 from ..layers import EMSA, Mlp, ResTPatchEmbed, ResTStem, add_residual, map_to_tokens, tokens_to_map
+from ..layers.export import stage_boundary
 from ..pyramid import PyramidBackbone, resolve_arch
 
 
@@ -156,6 +157,8 @@ class ResT(PyramidBackbone):
         x = self.patch_embed(x)
         outs = []
         for i, stage in enumerate(self.layers):
+            if i:
+                stage_boundary()
             if stage.patch_embed is not None:
                 x = stage.patch_embed(x)
             hw = tuple(x.shape[-2:])  # from the conv output: any input size works

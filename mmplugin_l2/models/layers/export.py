@@ -13,6 +13,7 @@ branch-free padding, so one graph serves every input size. Same function, same v
 Sizes stay symbolic in export mode: no Python `float()` / `int()` of a size, no loop over the batch, no slice
 end computed from H or W, no `unflatten` whose output sizes are read back (the TorchScript ONNX exporter bakes
 those in). `export_onnx` writes one ONNX graph with dynamic batch, height and width this way.
+`stage_boundary()` splits a compiled backbone into one graph per stage.
 """
 import contextlib
 
@@ -42,6 +43,18 @@ def exporting():
         if getattr(compiler, 'is_compiling', lambda: False)() or getattr(compiler, 'is_exporting', lambda: False)():
             return True
     return torch.onnx.is_in_onnx_export()
+
+
+def stage_boundary():
+    """Called by the backbones between two stages. Under `torch.compile` (not torch.export) it is a graph
+    break: the next stage's map size becomes a fresh symbol instead of a nested ceil / floor division of the
+    input size. With `dynamic=True` those nested expressions (stem, padding to the window size, four
+    stride-2 downsamplings) made the compiler's shape reasoning take more than 10 minutes for L2ViT; with
+    the breaks it compiles in minutes and a second input size reuses the graphs. A no-op everywhere else
+    (eager, ONNX export, torch.export). `torch.compile(fullgraph=True)` is therefore not supported."""
+    compiler = getattr(torch, 'compiler', None)
+    if compiler is not None and compiler.is_compiling() and not compiler.is_exporting():
+        torch._dynamo.graph_break()
 
 
 def eager_inference():

@@ -1,0 +1,147 @@
+"""Where one training iteration of a config goes: data loading, data preprocessing, the forward of each part
+of the model (backbone, neck, heads, losses), the backward split at the backbone's outputs, the optimizer
+step. Runs the real mmengine Runner built from the config (its dataloader, model, optimizer wrapper).
+
+The iteration is the one `BaseModel.train_step` runs, taken apart so each piece can be timed:
+`data_preprocessor(batch, True)` -> `_run_forward(data, mode='loss')` -> `parse_losses` ->
+`optim_wrapper.backward` -> `step` -> `zero_grad`. Forward times of the parts come from wrappers around the
+parts' entry points (`PARTS`); what the forward spends outside them is `forward, other` (loss bookkeeping,
+the detector's glue). The backward is split where the gradients reach the backbone's outputs (tensor hooks):
+`backward, heads + neck` until the last output's gradient has arrived, `backward, backbone` after it.
+"""
+import statistics
+import time
+from contextlib import contextmanager
+
+import torch
+
+#: (attribute path, method) wrapped and timed per model; absent ones are skipped
+PARTS = (
+    ('backbone', 'forward'),
+    ('neck', 'forward'),
+    ('rpn_head', 'loss_and_predict'),   # mmdet two-stage: RPN forward, its loss and the proposals
+    ('roi_head', 'loss'),               # mmdet two-stage: RoI sampling, bbox and mask heads with their losses
+    ('bbox_head', 'loss'),              # mmdet single-stage (RetinaNet)
+    ('decode_head', 'loss'),            # mmseg
+    ('auxiliary_head', 'loss'),
+    ('head', 'loss'),                   # mmpretrain
+)
+
+
+def _get(model, path):
+    for name in path.split('.'):
+        model = getattr(model, name, None)
+        if model is None:
+            return None
+    return model
+
+
+@contextmanager
+def _timed_parts(model, times):
+    """Wrap the entry point of each part in PARTS present in `model`; add their wall time to `times`.
+    The backbone wrapper also hooks its outputs so that the backward split can be found."""
+    saved = []
+    for path, method in PARTS:
+        part = _get(model, path)
+        if part is None or not hasattr(part, method):
+            continue
+        fn = getattr(part, method)
+
+        def wrapper(*args, _fn=fn, _key=f'forward, {path}', _backbone=path == 'backbone', **kwargs):
+            t0 = time.perf_counter()
+            out = _fn(*args, **kwargs)
+            times[_key] = times.get(_key, 0.) + time.perf_counter() - t0
+            if _backbone and torch.is_grad_enabled():
+                for t in (out if isinstance(out, (tuple, list)) else [out]):
+                    if torch.is_tensor(t) and t.requires_grad:
+                        t.register_hook(_arrival(times))
+            return out
+
+        setattr(part, method, wrapper)
+        saved.append((part, method))
+    try:
+        yield
+    finally:
+        for part, method in saved:
+            delattr(part, method)     # back to the class's method
+
+
+def _arrival(times):
+    def hook(grad):
+        times['_grad_at_backbone'] = time.perf_counter()
+        return grad
+    return hook
+
+
+def prepare(runner):
+    """What `Runner.train()` builds before its first iteration: the train loop (and its dataloader), the
+    optimizer wrapper, the initial weights. Returns (model, optim_wrapper, dataloader)."""
+    loop = runner.train_loop
+    runner.optim_wrapper = runner.build_optim_wrapper(runner.optim_wrapper)
+    runner._init_model_weights()
+    return runner.model, runner.optim_wrapper, loop.dataloader
+
+
+def iteration(model, optim, batch):
+    """One training iteration of `model` with the optimizer wrapper `optim` on `batch`, timed piece by
+    piece: a dict of seconds."""
+    times = {}
+    t0 = time.perf_counter()
+    with optim.optim_context(model), _timed_parts(model, times):
+        data = model.data_preprocessor(batch, True)
+        t1 = time.perf_counter()
+        losses = model._run_forward(data, mode='loss')
+    t2 = time.perf_counter()
+    loss, _ = model.parse_losses(losses)
+    t3 = time.perf_counter()
+    optim.backward(loss)
+    t4 = time.perf_counter()
+    optim.step()
+    optim.zero_grad()
+    t5 = time.perf_counter()
+    out = {'data preprocessor': t1 - t0}
+    parts = {k: v for k, v in times.items() if k.startswith('forward, ')}
+    out.update(parts)
+    out['forward, other'] = (t2 - t1) - sum(parts.values()) + (t3 - t2)
+    arrived = times.get('_grad_at_backbone')
+    if arrived is not None and t3 <= arrived <= t4:
+        out['backward, heads + neck'] = arrived - t3
+        out['backward, backbone'] = t4 - arrived
+    else:
+        out['backward'] = t4 - t3
+    out['optimizer step'] = t5 - t4
+    return out
+
+
+def profile_iterations(model, optim, dataloader, iters, warmup=1):
+    """`warmup` + `iters` iterations over `dataloader`; per piece the median and range of the timed
+    iterations (seconds) and the share of the median total."""
+    model.train()
+    loader = iter(dataloader)
+    rows = []
+    for i in range(warmup + iters):
+        t0 = time.perf_counter()
+        try:
+            batch = next(loader)
+        except StopIteration:
+            loader = iter(dataloader)
+            batch = next(loader)
+        data_s = time.perf_counter() - t0
+        r = {'data loading': data_s, **iteration(model, optim, batch)}
+        r['total'] = sum(r.values())
+        if i >= warmup:
+            rows.append(r)
+    keys = list(rows[0])
+    total = statistics.median(r['total'] for r in rows)
+    return [dict(part=k, median_s=statistics.median(r[k] for r in rows), min_s=min(r[k] for r in rows),
+                 max_s=max(r[k] for r in rows),
+                 share=statistics.median(r[k] for r in rows) / total if k != 'total' else 1.0)
+            for k in keys]
+
+
+def table(rows):
+    lines = ['| part | median s | (min–max) | share of the iteration |', '|---|---|---|---|']
+    for r in rows:
+        lines.append(f"| {r['part']} | {r['median_s']:.3f} | ({r['min_s']:.3f}–{r['max_s']:.3f}) | "
+                     f"{100 * r['share']:.0f} % |")
+    return '\n'.join(lines)
