@@ -6,8 +6,10 @@ The iteration is the one `BaseModel.train_step` runs, taken apart so each piece 
 `data_preprocessor(batch, True)` -> `_run_forward(data, mode='loss')` -> `parse_losses` ->
 `optim_wrapper.backward` -> `step` -> `zero_grad`. Forward times of the parts come from wrappers around the
 parts' entry points (`PARTS`); what the forward spends outside them is `forward, other` (loss bookkeeping,
-the detector's glue). The backward is split where the gradients reach the backbone's outputs (tensor hooks):
-`backward, heads + neck` until the last output's gradient has arrived, `backward, backbone` after it.
+the detector's glue). The backward is split exactly at the backbone's outputs: the rest of the model runs on
+detached copies of them, `backward, heads + neck` is the loss's backward down to those copies, and
+`backward, backbone` the backward of the backbone from the gradients they received. The same gradients as
+one backward pass, in two calls.
 """
 import statistics
 import time
@@ -52,9 +54,7 @@ def _timed_parts(model, times):
             out = _fn(*args, **kwargs)
             times[_key] = times.get(_key, 0.) + time.perf_counter() - t0
             if _backbone and torch.is_grad_enabled():
-                for t in (out if isinstance(out, (tuple, list)) else [out]):
-                    if torch.is_tensor(t) and t.requires_grad:
-                        t.register_hook(_arrival(times))
+                out = _cut(out, times.setdefault('_backbone_outputs', []))
             return out
 
         setattr(part, method, wrapper)
@@ -66,11 +66,18 @@ def _timed_parts(model, times):
             delattr(part, method)     # back to the class's method
 
 
-def _arrival(times):
-    def hook(grad):
-        times['_grad_at_backbone'] = time.perf_counter()
-        return grad
-    return hook
+def _cut(out, pairs):
+    """The backbone's outputs as detached leaves that require grad (pairs (output, leaf) appended), same
+    structure: the rest of the model's backward stops there."""
+    is_seq = isinstance(out, (tuple, list))
+    cut = []
+    for t in (out if is_seq else [out]):
+        if torch.is_tensor(t) and t.requires_grad:
+            leaf = t.detach().requires_grad_()
+            pairs.append((t, leaf))
+            t = leaf
+        cut.append(t)
+    return type(out)(cut) if is_seq else cut[0]
 
 
 def prepare(runner):
@@ -95,6 +102,10 @@ def iteration(model, optim, batch):
     loss, _ = model.parse_losses(losses)
     t3 = time.perf_counter()
     optim.backward(loss)
+    t_cut = time.perf_counter()
+    pairs = [(t, leaf.grad) for t, leaf in times.get('_backbone_outputs', []) if leaf.grad is not None]
+    if pairs:
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
     t4 = time.perf_counter()
     optim.step()
     optim.zero_grad()
@@ -103,10 +114,9 @@ def iteration(model, optim, batch):
     parts = {k: v for k, v in times.items() if k.startswith('forward, ')}
     out.update(parts)
     out['forward, other'] = (t2 - t1) - sum(parts.values()) + (t3 - t2)
-    arrived = times.get('_grad_at_backbone')
-    if arrived is not None and t3 <= arrived <= t4:
-        out['backward, heads + neck'] = arrived - t3
-        out['backward, backbone'] = t4 - arrived
+    if pairs:
+        out['backward, heads + neck'] = t_cut - t3
+        out['backward, backbone'] = t4 - t_cut
     else:
         out['backward'] = t4 - t3
     out['optimizer step'] = t5 - t4
