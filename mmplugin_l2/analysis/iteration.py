@@ -30,21 +30,14 @@ PARTS = (
 )
 
 
-def _get(model, path):
-    for name in path.split('.'):
-        model = getattr(model, name, None)
-        if model is None:
-            return None
-    return model
-
-
 @contextmanager
 def _timed_parts(model, times):
     """Wrap the entry point of each part in PARTS present in `model`; add their wall time to `times`.
-    The backbone wrapper also hooks its outputs so that the backward split can be found."""
+    With autograd on, the backbone wrapper returns its outputs cut from the graph (`_cut`, pairs kept in
+    times['_backbone_outputs']), where `iteration` splits the backward."""
     saved = []
     for path, method in PARTS:
-        part = _get(model, path)
+        part = getattr(model, path, None)
         if part is None or not hasattr(part, method):
             continue
         fn = getattr(part, method)
