@@ -228,6 +228,31 @@ def test_linear_attention_against_explicit_matrix():
     torch.testing.assert_close(attn(x), ref, rtol=0, atol=1e-12)
 
 
+def test_linear_attention_training_gradients_against_explicit_matrix():
+    """While autograd records, the attention runs as LinearAttentionCore (closed-form backward). Its
+    gradients (input, qkv, temperature, proj) equal autograd's through the explicit N x N matrix, with
+    clamped and unclamped tokens and a negative temperature; and the function passes gradcheck."""
+    from mmplugin_l2.models.layers.linear_attention import LinearAttentionCore
+    torch.manual_seed(0)
+    attn = LinearAttention(32, 2).double()
+    with torch.no_grad():
+        attn.temperature.copy_(torch.tensor([0.3, -0.7]).view(2, 1, 1))
+        attn.qkv.bias.normal_(0, 0.2)
+    x = torch.randn(3, 40, 32, dtype=torch.float64) * torch.linspace(0.2, 3., 40)[None, :, None]
+    g = torch.randn(3, 40, 32, dtype=torch.float64)
+    wrt = [attn.qkv.weight, attn.qkv.bias, attn.temperature, attn.proj.weight]
+    grads = {}
+    for name, fn in (('ours', attn), ('explicit', lambda t: explicit_linear_attention(attn, t)[0])):
+        xi = x.clone().requires_grad_()
+        grads[name] = torch.autograd.grad(fn(xi), [xi] + wrt, g)
+    assert 0 < explicit_linear_attention(attn, x)[1].double().mean() < 1, 'the test needs both kinds of token'
+    for a, b in zip(grads['ours'], grads['explicit']):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11 * b.abs().max().item())
+    q, k, v = (torch.randn(2, 2, 9, 3, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    t = torch.tensor([0.5, -1.5], dtype=torch.float64).view(2, 1, 1).requires_grad_()
+    assert torch.autograd.gradcheck(lambda *a: LinearAttentionCore.apply(*a, 2.), (q, k, v, t))
+
+
 def test_clamp_is_active_and_exact():
     """One head, q = k = v = x, identity projection, temperature 1: out_i = x_i (sum_j x_j^T x_j) /
     max(x_i . sum_j x_j, 100), computed by hand. Tokens below 100 are divided by exactly 100."""
@@ -427,6 +452,49 @@ def test_norm_eval_keeps_batchnorm_statistics():
     before = [bn.running_var.clone() for bn in bns(m2)]
     m2(torch.randn(2, 3, 64, 64))
     assert all(not torch.equal(a, bn.running_var) for a, bn in zip(before, bns(m2)))
+
+
+def test_recompute_same_outputs_and_gradients_float64():
+    """recompute=True (whole attention / LCM branches recomputed, MLP branches as NormMlpFunction keeping
+    the fc1 output) against plain autograd (recompute=False): same outputs and gradients, with drop path."""
+    torch.manual_seed(0)
+    a = L2ViT(arch=TINY, drop_path_rate=0.2, recompute=False).double().train()
+    b = L2ViT(arch=TINY, drop_path_rate=0.2).double().train()
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(2, 3, 64, 72, dtype=torch.float64)
+    outs = []
+    for m in (a, b):
+        torch.manual_seed(1)
+        o = m(x)
+        sum((t * t.flatten().sin().view_as(t)).sum() for t in o).backward()
+        outs.append(o)
+    for u, v in zip(*outs):
+        torch.testing.assert_close(u, v, rtol=0, atol=1e-12)
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-10 * max(1., p.grad.abs().max().item()), msg=n)
+
+
+def test_mlp_branch_keeps_the_fc1_output_not_the_gelu_output():
+    """The recomputing block's MLP branch saves its input and fc1's output (plus LayerNorm statistics and
+    the weights), not the LayerNorm output or the GELU output; gradients as autograd's."""
+    from conftest import nbytes, saved_for_backward
+    from mmplugin_l2.models.layers.mlp import norm_mlp_branch
+    torch.manual_seed(0)
+    blk = LGABlock(8, 2).double().train()
+    with torch.no_grad():
+        blk.norm2.weight.normal_(), blk.norm2.bias.normal_()
+    x = torch.randn(2, 30, 8, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, 30, 8, dtype=torch.float64)
+    params = [x] + list(blk.norm2.parameters()) + list(blk.mlp.parameters())
+    y, saved = saved_for_backward(lambda: norm_mlp_branch(blk, blk.norm2, blk.mlp, x))
+    ref, saved_ref = saved_for_backward(lambda: blk.mlp(blk.norm2(x)))
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    for u, v in zip(torch.autograd.grad(y, params, g), torch.autograd.grad(ref, params, g)):
+        torch.testing.assert_close(u, v, rtol=0, atol=1e-13)
+    weights = nbytes(list(blk.norm2.parameters()) + list(blk.mlp.parameters()))
+    tokens = 2 * 30 * 8
+    assert nbytes(saved) - weights <= 8 * (tokens + 4 * tokens + 2 * 60)    # x, fc1 output, LN mean / rstd
+    assert nbytes(saved_ref) - weights >= 8 * (tokens + 8 * tokens)      # + LN output and GELU output
 
 
 def test_with_cp_same_outputs_grads_and_bn_statistics():

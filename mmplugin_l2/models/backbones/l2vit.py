@@ -41,6 +41,7 @@ from mmengine.registry import MODELS
 from ..layers import (LCM, L2ViTDownsample, L2ViTStem, LinearAttention, Mlp, ResidualCPE, WindowAttention,
                       add_residual)
 from ..layers.export import stage_boundary
+from ..layers.mlp import norm_mlp_branch
 from ..layers.recompute import recomputed_branch as _branch
 from ..pyramid import PyramidBackbone, resolve_arch
 
@@ -71,9 +72,9 @@ class LWABlock(nn.Module):
     def forward(self, x, hw_shape):
         # add_residual: into the branch output at inference, out of place in training
         x = self.cpe[0](x, hw_shape)
-        x = add_residual(self.drop_path(_branch(self, self.norm1, self.attn, x, hw_shape)), x)
+        x = add_residual(self.drop_path(_branch(self, self.norm1, self.attn, x, hw_shape, keep_products=True)), x)
         x = self.cpe[1](x, hw_shape)
-        return add_residual(self.drop_path(_branch(self, self.norm2, self.mlp, x)), x)
+        return add_residual(self.drop_path(norm_mlp_branch(self, self.norm2, self.mlp, x)), x)
 
 
 class LGABlock(nn.Module):
@@ -93,9 +94,10 @@ class LGABlock(nn.Module):
 
     def forward(self, x, hw_shape):
         x = self.cpe[0](x, hw_shape)
-        x = add_residual(self.drop_path(_branch(self, self.norm1, self.attn, x)), x)
+        # the linear attention keeps only its q, k, v for backward (LinearAttentionCore): not recomputed
+        x = add_residual(self.drop_path(self.attn(self.norm1(x))), x)
         x = add_residual(self.drop_path(_branch(self, self.norm3, self.local_mp, x, hw_shape)), x)
-        return add_residual(self.drop_path(_branch(self, self.norm2, self.mlp, x)), x)
+        return add_residual(self.drop_path(norm_mlp_branch(self, self.norm2, self.mlp, x)), x)
 
 
 @MODELS.register_module()
@@ -124,9 +126,13 @@ class L2ViT(PyramidBackbone):
         norm_eval (bool): keep the BatchNorms (stem, LCMs) in eval mode while training. Default: False
             (the authors fine-tune them in train mode).
         with_cp (bool): activation checkpointing per block. Default: False.
-        recompute (bool): in training, keep only the input of each LN + attention / LCM / MLP branch for
-            backward and recompute the branch there (same gradients; ~30-40 % less memory per step, about
-            a third more backward time). Default: True.
+        recompute (bool): in training, recompute in backward what is cheap to recompute and keep what is
+            not: the window-attention branches keep their matrix-product and attention-kernel outputs and
+            recompute the LayerNorm and window partitions (`recompute.checkpointed(keep_products=True)`),
+            the LCM branches are recomputed whole (depth-wise convs, GELU, BatchNorm), the MLP branches
+            keep their fc1 output and recompute LayerNorm and GELU (`mlp.NormMlpFunction`); the linear
+            attention keeps only q, k, v in any case (`LinearAttentionCore`). Same gradients; about half
+            the memory of a step without it for about the same time. False: plain autograd. Default: True.
         memory_policy (dict | None): how large a map a layer builds at once: dict(max_elems, devices), see
             `layers/memory.py` (pieces of about `max_elems` elements at inference on the `devices` once a
             map has twice that; None: whole maps). Default: dict(max_elems=2**20, devices=('cpu',)).

@@ -14,7 +14,12 @@
   (N ~ 10^5 at 1248 x 1248), so that part (from q, k, v to the normalised output) runs in float32 with
   autocast off (`fp32_reduce=True`, the default; a no-op in fp32). The authors train in fp32 only and have
   no such guard.
-Tokens (B, N, C) in, (B, N, C) out; qkv = Linear(C, 3C) (bias in L2ViT), proj = Linear(C, C).
+* Training (autograd recording) runs the same forward as one autograd function with the gradient in closed
+  form (`LinearAttentionCore`): four (N, d) x (d, d) products and three elementwise passes instead of
+  autograd's graph of relu / clamp / division backward nodes. Same values; gradients equal autograd's to
+  float rounding (float64 gradcheck in the tests).
+Tokens (B, N, C) in, (B, N, C) out; qkv = Linear(C, 3C) (bias in L2ViT), proj = Linear(C, C). q, k and v are
+views of the qkv output (its backward stacks their gradients into the qkv layout in one copy).
 """
 import contextlib
 
@@ -22,7 +27,54 @@ import torch
 import torch.nn as nn
 
 from .dtypes import autocast_off as _autocast_off
+from .export import exporting
 from .memory import DEFAULT_POLICY
+
+threshold_backward = torch.ops.aten.threshold_backward
+
+
+class LinearAttentionCore(torch.autograd.Function):
+    """The linear attention from q, k, v (B, heads, N, d) and the temperature t (heads, 1, 1) to the output
+    (B, heads, N, d), with its gradient in closed form. With Q = ReLU(q), K = ReLU(k), s = K^T 1,
+    KV = K^T v, r = Q s, den = max(r, clamp_min), out = Q (KV t) / den, and G the output's gradient:
+
+        Gn = G / den,   dQ = Gn (KV t)^T + g s^T  with  g = -[r >= clamp_min] (Q . Gn (KV t)^T) / den,
+        dKV = t Q^T Gn,  dt = sum(KV * Q^T Gn),  dK = v dKV^T + 1 (Q^T g)^T,  dv = K dKV,
+        dq = dQ [q > 0],  dk = dK [k > 0]
+
+    (the clamp passes the gradient where r >= clamp_min, as torch.clamp). Kept for backward: q, k, v (views
+    of the qkv output: its buffer only), KV and r (d x d and N x 1); Q and K are recomputed there."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, temperature, clamp_min):
+        qr, kr = q.relu(), k.relu()
+        r = qr @ kr.transpose(-2, -1).sum(dim=-1, keepdim=True)
+        kv = kr.transpose(-2, -1) @ v
+        out = (qr @ (kv * temperature)) / torch.clamp(r, min=clamp_min)
+        ctx.clamp_min = clamp_min
+        ctx.save_for_backward(q, k, v, temperature, kv, r)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, t, kv, r = ctx.saved_tensors
+        with _autocast_off(grad.device.type):
+            q, k = q.relu(), k.relu()
+            kvt = kv * t
+            den = torch.clamp(r, min=ctx.clamp_min)
+            gn = grad / den
+            dq = gn @ kvt.transpose(-2, -1)
+            g = (q * dq).sum(-1, keepdim=True).div_(den).neg_().masked_fill_(r < ctx.clamp_min, 0)
+            dq.addcmul_(g, k.sum(dim=-2, keepdim=True))
+            dkvt = q.transpose(-2, -1) @ gn
+            dt = None
+            if ctx.needs_input_grad[3]:
+                dt = (dkvt * kv).sum(dim=(-2, -1), keepdim=True).sum_to_size(t.shape)
+            dkv = dkvt * t
+            dk = (v @ dkv.transpose(-2, -1)).add_((q.transpose(-2, -1) @ g).transpose(-2, -1))
+            dv = k @ dkv
+        # ReLU's backward (q, k are its outputs: the gradient passes where they are > 0)
+        return threshold_backward(dq, q, 0), threshold_backward(dk, k, 0), dv, dt, None
 
 
 class LinearAttention(nn.Module):
@@ -50,7 +102,10 @@ class LinearAttention(nn.Module):
 
     def linear_attention(self, q, k, v):
         """q, k, v (B, heads, N, d), before the feature map -> (B, heads, N, d). The authors' order:
-        denominator Q (sum_j K_j); K^T V times the temperature; Q times that; divided."""
+        denominator Q (sum_j K_j); K^T V times the temperature; Q times that; divided. While autograd
+        records, `LinearAttentionCore` (the same forward, a closed-form backward)."""
+        if torch.is_grad_enabled() and not exporting():
+            return LinearAttentionCore.apply(q, k, v, self.temperature, self.clamp_min)
         q, k = q.relu(), k.relu()
         denom = torch.clamp(q @ k.transpose(-2, -1).sum(dim=-1, keepdim=True), min=self.clamp_min)
         kv = (k.transpose(-2, -1) @ v) * self.temperature
@@ -64,8 +119,8 @@ class LinearAttention(nn.Module):
         piece = self.memory_policy.pieces(self, x, b * n * c)
         if piece is not None:
             return self._forward_chunks(x, piece)
-        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, c // self.num_heads).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]
+        qkv = self.qkv(x)
+        q, k, v = (t.transpose(1, 2) for t in qkv.view(b, n, 3, self.num_heads, c // self.num_heads).unbind(2))
         if self.fp32_reduce and qkv.dtype != torch.float64:
             with _autocast_off(x.device.type):
                 out = self.linear_attention(q.float(), k.float(), v.float()).to(qkv.dtype)

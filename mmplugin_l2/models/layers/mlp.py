@@ -9,14 +9,20 @@ At inference (`memory.inference`) the GELUs run in place and the residual is add
 (B, N, rC) activations are recomputed there (activation checkpointing of the MLP alone, RNG state
 preserved for dropout): ~4 (Mlp) / ~16 (ConvMlp) fewer C-wide tensors per token and block, for one more
 fc1 (+ conv) in backward. Same values and gradients.
+
+`norm_mlp_branch` (L2ViT's recomputed MLP branches): LayerNorm -> Mlp as one autograd function that keeps
+the branch input and the fc1 output for backward and recomputes there only the LayerNorm and the GELU
+(elementwise), not fc1: one matrix product and two (B, N, rC) temporaries fewer per block and step than
+recomputing the whole branch, for one kept (B, N, rC) tensor. Same values; gradients those of autograd on
+the same ops.
 """
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .conv import Conv2dCL
-from .memory import DEFAULT_POLICY, inference
-from .recompute import recomputed
+from .memory import DEFAULT_POLICY, inference, recomputes
+from .recompute import recomputed, recomputed_branch
 from .tokens import add_residual, tokens_conv
 
 
@@ -67,6 +73,56 @@ class ConvMlp(nn.Module):
 def gelu(x, inplace=False):
     """Exact GELU; in place with `inplace` (inference only: its backward would need the input)."""
     return torch.ops.aten.gelu_(x) if inplace else F.gelu(x)
+
+
+class NormMlpFunction(torch.autograd.Function):
+    """fc2(GELU(fc1(LayerNorm(x)))) on tokens x (..., C), keeping x, the LayerNorm statistics and the fc1
+    output h (..., rC) for backward. Backward recomputes LN(x) and GELU(h), and writes the GELU gradient
+    into the recomputed GELU buffer once fc2's weight gradient has used it."""
+
+    @staticmethod
+    def forward(ctx, x, ln_w, ln_b, eps, w1, b1, w2, b2):
+        c = x.shape[-1]
+        xn, mean, rstd = torch.native_layer_norm(x, (c,), ln_w, ln_b, eps)
+        h = F.linear(xn, w1, b1)
+        y = F.linear(F.gelu(h), w2, b2)
+        ctx.eps = eps
+        ctx.save_for_backward(x, mean, rstd, ln_w, ln_b, h, w1, w2, b1, b2)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, mean, rstd, ln_w, ln_b, h, w1, w2, b1, b2 = ctx.saved_tensors
+        c = x.shape[-1]
+        xn = torch.native_layer_norm(x, (c,), ln_w, ln_b, ctx.eps)[0].reshape(-1, c)
+        g = grad.reshape(-1, grad.shape[-1])
+        hh = h.reshape(-1, h.shape[-1])
+        a = F.gelu(hh)
+        need = ctx.needs_input_grad
+        dw2 = g.t() @ a if need[6] else None
+        db2 = g.sum(0) if b2 is not None and need[7] else None
+        dh = torch.ops.aten.gelu_backward.grad_input(g @ w2, hh, grad_input=a)     # a is free now
+        dw1 = dh.t() @ xn if need[4] else None
+        db1 = dh.sum(0) if b1 is not None and need[5] else None
+        dxn = (dh @ w1).view(x.shape)
+        dx, dln_w, dln_b = torch.ops.aten.native_layer_norm_backward(dxn, x, (c,), mean, rstd, ln_w, ln_b,
+                                                            [need[0], need[1], need[2]])
+        return dx, dln_w, dln_b, None, dw1, db1, dw2, db2
+
+
+def norm_mlp_branch(block, norm, mlp, x):
+    """The pre-norm MLP branch mlp(norm(x)) of `block`. When the block recomputes (`memory.recomputes`):
+    `NormMlpFunction` for a LayerNorm and an `Mlp` without dropout outside autocast (see the module
+    docstring), otherwise the whole branch recomputed in backward (`recompute.recomputed_branch`)."""
+    if not recomputes(block):
+        return mlp(norm(x))
+    dev = x.device.type
+    if (isinstance(norm, nn.LayerNorm) and norm.elementwise_affine and isinstance(mlp, Mlp)
+            and not (mlp.drop.p > 0 and mlp.training) and x.dtype in (torch.float32, torch.float64)
+            and not (torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev))):
+        return NormMlpFunction.apply(x, norm.weight, norm.bias, norm.eps, mlp.fc1.weight, mlp.fc1.bias,
+                                     mlp.fc2.weight, mlp.fc2.bias)
+    return recomputed_branch(block, norm, mlp, x)
 
 
 class Mlp(nn.Module):

@@ -3,6 +3,11 @@ layers' / blocks' `recompute` (one branch or one layer): in a training step only
 backward and the function runs again there (non-reentrant torch.utils.checkpoint, RNG state preserved,
 so dropout draws the same masks). BatchNorm running statistics are updated once, not again in the
 recomputation. Same values and gradients; less memory for more backward time.
+
+`keep_products=True` makes it selective (torch's selective activation checkpointing): the outputs of the
+matrix products and of the fused attention kernel (`PRODUCTS`) are kept from the forward, everything else
+(LayerNorm, reshapes, window partitions, elementwise ops) is recomputed. The recomputation then costs
+about no multiply-adds and allocates little, for keeping the product outputs.
 """
 import contextlib
 from functools import partial
@@ -38,25 +43,42 @@ def _contexts(module):
     return contextlib.nullcontext(), _frozen_bn_statistics(module)
 
 
-def checkpointed(fn, *args, enabled=True, module=None):
+_aten = torch.ops.aten
+#: ops whose outputs `keep_products` keeps for backward instead of recomputing them
+PRODUCTS = frozenset({_aten.addmm.default, _aten.mm.default, _aten.bmm.default,
+                      _aten._scaled_dot_product_flash_attention_for_cpu.default,
+                      _aten._scaled_dot_product_flash_attention.default,
+                      _aten._scaled_dot_product_efficient_attention.default})
+
+
+def _keep_products(ctx, op, *args, **kwargs):
+    return cp.CheckpointPolicy.MUST_SAVE if op in PRODUCTS else cp.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpointed(fn, *args, enabled=True, module=None, keep_products=False):
     """fn(*args); when `enabled` and autograd records, checkpointed (see the module docstring). `module`:
-    the module whose BatchNorms `fn` runs (their statistics are updated once)."""
+    the module whose BatchNorms `fn` runs (their statistics are updated once; not with `keep_products`,
+    which is for functions without BatchNorm)."""
     if enabled and torch.is_grad_enabled():
-        kw = {} if module is None else dict(context_fn=partial(_contexts, module))
+        if keep_products:
+            kw = dict(context_fn=partial(cp.create_selective_checkpoint_contexts, _keep_products))
+        else:
+            kw = {} if module is None else dict(context_fn=partial(_contexts, module))
         return cp.checkpoint(fn, *args, use_reentrant=False, **kw)
     return fn(*args)
 
 
-def recomputed(module, fn, x, *args):
+def recomputed(module, fn, x, *args, keep_products=False):
     """fn(x, *args), recomputed in backward when `module` recomputes (`memory.recomputes`: its `recompute`
-    switch, train mode, autograd recording) and x needs a gradient."""
-    return checkpointed(fn, x, *args, enabled=recomputes(module) and x.requires_grad, module=module)
+    switch, train mode, autograd recording) and x needs a gradient; `keep_products`: selectively."""
+    return checkpointed(fn, x, *args, enabled=recomputes(module) and x.requires_grad, module=module,
+                        keep_products=keep_products)
 
 
-def recomputed_branch(block, norm, module, x, *args):
+def recomputed_branch(block, norm, module, x, *args, keep_products=False):
     """A pre-norm residual branch `module(norm(x), *args)`, recomputed in backward when `block` recomputes:
     only x (the residual stream, which autograd keeps anyway) is kept, the LayerNorm included in the
-    recomputation."""
+    recomputation; with `keep_products` also the outputs of its matrix products (see the module docstring)."""
     def branch(t, *a):
         return module(norm(t), *a)
-    return checkpointed(branch, x, *args, enabled=recomputes(block), module=module)
+    return checkpointed(branch, x, *args, enabled=recomputes(block), module=module, keep_products=keep_products)

@@ -83,8 +83,8 @@ class WindowAttention(nn.Module):
         """MHSA over the tokens of each window: x (B', n, C) -> (B', n, C). `key_mask` (B', n) bool, True =
         ignore that key."""
         bw, n, c = x.shape
-        qkv = self.qkv(x).reshape(bw, n, 3, self.num_heads, c // self.num_heads).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
+        # q, k, v as views of the qkv output: their gradients stack back into its layout in one copy
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(bw, n, 3, self.num_heads, -1).unbind(2))
         keep = None if key_mask is None else ~key_mask[:, None, None, :]   # SDPA: True = attend
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=self.scale)
         return self.proj(out.transpose(1, 2).reshape(bw, n, c))
