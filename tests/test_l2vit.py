@@ -216,16 +216,23 @@ def explicit_linear_attention(attn, x, clamp_min=100.):
     return torch.cat(outs, -1) @ attn.proj.weight.T + attn.proj.bias, (a.sum(-1) < clamp_min)
 
 
-def test_linear_attention_against_explicit_matrix():
+def _attention_and_tokens():
+    """A float64 LinearAttention with a negative temperature and tokens of growing scale (some clamped)."""
     torch.manual_seed(0)
     attn = LinearAttention(32, 2).double()
     with torch.no_grad():
         attn.temperature.copy_(torch.tensor([0.3, -0.7]).view(2, 1, 1))
         attn.qkv.bias.normal_(0, 0.2)
-    x = torch.randn(3, 40, 32, dtype=torch.float64) * torch.linspace(0.2, 3., 40)[None, :, None]
+    return attn, torch.randn(3, 40, 32, dtype=torch.float64) * torch.linspace(0.2, 3., 40)[None, :, None]
+
+
+def test_linear_attention_against_explicit_matrix():
+    attn, x = _attention_and_tokens()
     ref, clamped = explicit_linear_attention(attn, x)
     assert 0 < clamped.double().mean() < 1, 'the test needs clamped and unclamped tokens'
-    torch.testing.assert_close(attn(x), ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(attn(x), ref, rtol=0, atol=1e-12)          # autograd records: the autograd function
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x), ref, rtol=0, atol=1e-12)      # the plain ops
 
 
 def test_linear_attention_training_gradients_against_explicit_matrix():
@@ -233,12 +240,7 @@ def test_linear_attention_training_gradients_against_explicit_matrix():
     gradients (input, qkv, temperature, proj) equal autograd's through the explicit N x N matrix, with
     clamped and unclamped tokens and a negative temperature; and the function passes gradcheck."""
     from mmplugin_l2.models.layers.linear_attention import LinearAttentionCore
-    torch.manual_seed(0)
-    attn = LinearAttention(32, 2).double()
-    with torch.no_grad():
-        attn.temperature.copy_(torch.tensor([0.3, -0.7]).view(2, 1, 1))
-        attn.qkv.bias.normal_(0, 0.2)
-    x = torch.randn(3, 40, 32, dtype=torch.float64) * torch.linspace(0.2, 3., 40)[None, :, None]
+    attn, x = _attention_and_tokens()
     g = torch.randn(3, 40, 32, dtype=torch.float64)
     wrt = [attn.qkv.weight, attn.qkv.bias, attn.temperature, attn.proj.weight]
     grads = {}
