@@ -68,11 +68,10 @@ def checkpointed(fn, *args, enabled=True, module=None, keep_products=False):
     return fn(*args)
 
 
-def recomputed(module, fn, x, *args, keep_products=False):
+def recomputed(module, fn, x, *args):
     """fn(x, *args), recomputed in backward when `module` recomputes (`memory.recomputes`: its `recompute`
-    switch, train mode, autograd recording) and x needs a gradient; `keep_products`: selectively."""
-    return checkpointed(fn, x, *args, enabled=recomputes(module) and x.requires_grad, module=module,
-                        keep_products=keep_products)
+    switch, train mode, autograd recording) and x needs a gradient."""
+    return checkpointed(fn, x, *args, enabled=recomputes(module) and x.requires_grad, module=module)
 
 
 def recomputed_branch(block, norm, module, x, *args, keep_products=False):
