@@ -20,8 +20,12 @@ def compute_dtype(t):
     return torch.float32 if t.dtype in HALF_DTYPES else t.dtype
 
 
+def autocast_on(device_type):
+    """Whether autocast is on for `device_type` (False where the device has no autocast, e.g. meta)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 def autocasts_to(t, dtype):
     """Whether autocast on `t`'s device is on and casts to `dtype`."""
     dev = t.device.type
-    return (torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
-            and torch.get_autocast_dtype(dev) == dtype)
+    return autocast_on(dev) and torch.get_autocast_dtype(dev) == dtype

@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .conv import Conv2dCL
+from .dtypes import autocast_on
 from .memory import DEFAULT_POLICY, inference, recomputes
 from .recompute import recomputed, recomputed_branch
 from .tokens import add_residual, tokens_conv
@@ -116,10 +117,9 @@ def norm_mlp_branch(block, norm, mlp, x):
     docstring), otherwise the whole branch recomputed in backward (`recompute.recomputed_branch`)."""
     if not recomputes(block):
         return mlp(norm(x))
-    dev = x.device.type
     if (isinstance(norm, nn.LayerNorm) and norm.elementwise_affine and isinstance(mlp, Mlp)
             and not (mlp.drop.p > 0 and mlp.training) and x.dtype in (torch.float32, torch.float64)
-            and not (torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev))):
+            and not autocast_on(x.device.type)):
         return NormMlpFunction.apply(x, norm.weight, norm.bias, norm.eps, mlp.fc1.weight, mlp.fc1.bias,
                                      mlp.fc2.weight, mlp.fc2.bias)
     return recomputed_branch(block, norm, mlp, x)

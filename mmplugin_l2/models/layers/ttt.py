@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from mmengine.model.weight_init import trunc_normal_
 
-from .dtypes import HALF_DTYPES, autocast_off, autocasts_to
+from .dtypes import HALF_DTYPES, autocast_off, autocast_on, autocasts_to
 from .export import eager_inference, exporting
 from .memory import DEFAULT_POLICY, inference, recomputes
 from .rope import apply_rope
@@ -252,7 +252,7 @@ class TTTCore(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
         dev = qkv.device.type
-        on = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)   # (meta has no autocast)
+        on = autocast_on(dev)
         ctx.autocast = (dev, on, torch.get_autocast_dtype(dev) if on else None)
         ctx.args = (hw_shape, num_heads, scale, lr)
         ctx.rot = rot
