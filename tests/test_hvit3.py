@@ -152,28 +152,48 @@ def test_swiglu_fused_kernel_path_equals_autograd_path():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
 
 
-def _ttt_layer_and_input(recompute, dtype=torch.float64):
+def _ttt_layer_and_input(recompute, dtype=torch.float64, dim=16, heads=2):
     torch.manual_seed(3)
-    layer = TTTAttention(16, 2, recompute=recompute).to(dtype)
+    layer = TTTAttention(dim, heads, recompute=recompute).to(dtype)
     with torch.no_grad():
         for p in (layer.w1, layer.w2, layer.w3):
             p.normal_(0, 0.3)
-    x = torch.randn(2, 5 * 6, 16, dtype=dtype, requires_grad=True)
+    x = torch.randn(2, 5 * 6, dim, dtype=dtype, requires_grad=True)
     return layer, x
 
 
-def test_ttt_recompute_function_gives_autograd_gradients():
-    """TTTCore (saves qkv, recomputes the inner models in backward) = plain autograd through ttt_core,
-    for the input, qkv/proj weights and the three inner-model initial weights."""
-    grads = []
+@pytest.mark.parametrize('dim,heads', [(16, 2), (12, 4)])   # head width 8, and 3 (RoPE pairs across heads)
+@pytest.mark.parametrize('with_rope', [True, False])
+def test_ttt_recompute_function_gives_autograd_gradients(dim, heads, with_rope):
+    """TTTCore (saves qkv; closed-form backward through the recomputed inner models) = plain autograd
+    through ttt_core, float64: the output, and the gradients of the input, qkv/proj weights and the
+    three inner-model initial weights."""
+    results = []
     for recompute in (True, False):
-        layer, x = _ttt_layer_and_input(recompute)
-        rot = rope_tables(5, 6, 16).to(torch.complex128)
+        layer, x = _ttt_layer_and_input(recompute, dim=dim, heads=heads)
+        rot = rope_tables(5, 6, dim) if with_rope else None
         y = layer(x, (5, 6), rot)
         (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
-        grads.append([x.grad] + [p.grad for p in layer.parameters()])
-    for a, b in zip(*grads):
+        results.append([y, x.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_ttt_closed_form_backward_passes_gradcheck():
+    """The closed-form backward of TTTCore against finite differences (float64), with an all-zero value
+    map in one sample so that its conv-head inner gradient has norm 0 (the normalisation's kink)."""
+    from mmplugin_l2.models.layers.ttt import TTTCore
+    torch.manual_seed(0)
+    b, h, w, nh, d = 2, 4, 5, 2, 4
+    c = nh * d
+    qkv = torch.randn(b, h * w, 3 * c + 3 * d, dtype=torch.float64)
+    qkv[1, :, -d:] = 0
+    qkv.requires_grad_()
+    ws = [(torch.randn(*s, dtype=torch.float64) * .3).requires_grad_()
+          for s in ((1, nh, d, d), (1, nh, d, d), (d, 1, 3, 3))]
+    rot = rope_tables(h, w, c)
+    assert torch.autograd.gradcheck(
+        lambda q, w1, w2, w3: TTTCore.apply(q, rot, w1, w2, w3, (h, w), nh, 1 / 3, 1.0), (qkv, *ws))
 
 
 def test_ttt_recompute_keeps_fewer_tensors_for_backward():
@@ -215,6 +235,25 @@ def test_rope_matches_complex_rotation():
     rows = apply_rope(torch.ones(1, h * w, c), rot).reshape(h, w, c)
     assert torch.allclose(rows[:, :1, :c // 2].expand(-1, w, -1), rows[:, :, :c // 2])
     assert torch.allclose(rows[:1, :, c // 2:].expand(h, -1, -1), rows[:, :, c // 2:])
+
+
+@pytest.mark.parametrize('dim,heads', [(16, 2), (12, 4)])
+def test_rope_heads_and_its_transpose(dim, heads):
+    """rope_heads = apply_rope then the head split (exactly); rope_heads_backward is its transpose:
+    <rope_heads(x), g> = <x, rope_heads_backward(g)>, also into a strided channel slice."""
+    from mmplugin_l2.models.layers.rope import rope_heads, rope_heads_backward
+    torch.manual_seed(0)
+    rot = rope_tables(3, 4, dim)
+    wide = torch.randn(2, 12, 3 * dim + 2, dtype=torch.float64)
+    x = wide[..., dim + 2:2 * dim + 2]
+    ref = apply_rope(x, rot).unflatten(-1, (heads, -1)).transpose(1, 2)
+    got = rope_heads(x, rot, heads)
+    assert got.is_contiguous() and torch.equal(got, ref)
+    g = torch.randn_like(ref)
+    out = torch.zeros_like(wide)
+    rope_heads_backward(g, rot, out[..., 2:dim + 2])
+    torch.testing.assert_close((got * g).sum(), (x * out[..., 2:dim + 2]).sum(), rtol=1e-14, atol=0)
+    assert out[..., :2].abs().sum() == 0 and out[..., dim + 2:].abs().sum() == 0
 
 
 def test_rope_tables_from_inference_mode_serve_training():

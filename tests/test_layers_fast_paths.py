@@ -272,6 +272,30 @@ def test_mlp_recompute_same_gradients_less_saved(cls):
     assert saved[True] * 4 < saved[False]
 
 
+@pytest.mark.parametrize('keep_fc1', [True, False])
+def test_conv_mlp_function_gradients_and_what_it_keeps(keep_fc1, monkeypatch):
+    """Without dropout a recomputing ConvMlp runs `ConvMlpFunction` (closed-form backward, no fc2 in
+    backward): same output and gradients as autograd through the plain ops (float64), gradcheck, and
+    what it keeps for backward besides the weights: the input, plus the fc1 output with `keep_fc1`."""
+    from mmplugin_l2.models.layers.mlp import ConvMlpFunction
+    monkeypatch.setattr(ConvMlp, 'keep_fc1', keep_fc1)
+    torch.manual_seed(0)
+    m = _random_(ConvMlp(8, 32, recompute=True)).double().train()
+    x = torch.randn(2, 6 * 5, 8, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, 6 * 5, 8, dtype=torch.float64)
+    params = [x] + list(m.parameters())
+    y, saved = saved_for_backward(lambda: m(x, (6, 5)))
+    assert type(y.grad_fn).__name__ == 'ConvMlpFunctionBackward'
+    m.recompute = False
+    ref = m(x, (6, 5))
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-14)
+    for a, b in zip(torch.autograd.grad(y, params, g), torch.autograd.grad(ref, params, g)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    weights = nbytes(list(m.parameters()))
+    assert nbytes(saved) - weights == 8 * 2 * 30 * (8 + 32 * keep_fc1)
+    assert torch.autograd.gradcheck(lambda *t: ConvMlpFunction.apply(t[0], (6, 5), keep_fc1, *t[1:]), params)
+
+
 @pytest.mark.parametrize('groups,k,stride', [(16, 3, 1), (16, 7, 1), (1, 3, 2), (1, 1, 1)])
 def test_conv2d_channels_last_equals_conv2d(groups, k, stride):
     torch.manual_seed(0)

@@ -84,9 +84,10 @@ class HViT3(PyramidBackbone):
         frozen_stages (int): -1 none, 0 the stem, i the stem and stages 0..i-1. Default: -1.
         norm_eval (bool): keep BatchNorms (stem, downsamples) in eval mode during training. Default: False.
         with_cp (bool): activation checkpointing per block. Default: False.
-        recompute (bool): in training, keep only the inputs of the TTT inner models (`TTTCore`) and of the
-            MLP for backward and recompute their intermediates there: same gradients, ~40 % less memory
-            per step, some extra backward time. Default: True.
+        recompute (bool): in training, keep only the inputs of the TTT inner models (`TTTCore`) and the
+            MLP's input and fc1 output (`ConvMlpFunction`) for backward and recompute the rest there: same
+            gradients, about half the memory of a step, at about the speed of `recompute=False` on CPU.
+            Default: True.
         out_norm_cfg (dict | None): norm of each returned stage (`norm{i}`); dict(type='LN') is mmdet's
             side-branch convention, dict(type='BN') on stage 3 reproduces the authors' classification
             BatchNorm1d over tokens. Default: dict(type='LN').

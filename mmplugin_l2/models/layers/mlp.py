@@ -8,7 +8,10 @@ At inference (`memory.inference`) the GELUs run in place and the residual is add
 `recompute=True` (both MLPs): in a training step only the MLP input is kept for backward and the hidden
 (B, N, rC) activations are recomputed there (activation checkpointing of the MLP alone, RNG state
 preserved for dropout): ~4 (Mlp) / ~16 (ConvMlp) fewer C-wide tensors per token and block, for one more
-fc1 (+ conv) in backward. Same values and gradients.
+fc1 (+ conv) in backward. Same values and gradients. ConvMlp without dropout outside autocast runs
+`ConvMlpFunction` instead: it also keeps the fc1 output (`ConvMlp.keep_fc1`, one (B, N, rC) tensor) and its
+backward recomputes only the GELUs and the depth-wise conv, neither fc1 nor fc2 (which whole-MLP
+checkpointing runs again).
 
 `norm_mlp_branch` (L2ViT's recomputed MLP branches): LayerNorm -> Mlp as one autograd function that keeps
 the branch input and the fc1 output for backward and recomputes there only the LayerNorm and the GELU
@@ -24,7 +27,7 @@ from .conv import Conv2dCL
 from .dtypes import autocast_on
 from .memory import DEFAULT_POLICY, inference, recomputes
 from .recompute import recomputed, recomputed_branch
-from .tokens import add_residual, tokens_conv
+from .tokens import add_residual, map_to_tokens, tokens_conv, tokens_to_map
 
 
 class ConvMlp(nn.Module):
@@ -37,7 +40,15 @@ class ConvMlp(nn.Module):
         self.fc2 = nn.Linear(hidden_dim, dim)
         self.drop = nn.Dropout(drop)
 
+    #: with `recompute`: keep the fc1 output for backward too (one (B, N, rC) tensor per block; no fc1 in
+    #: backward) instead of the input only
+    keep_fc1 = True
+
     def forward(self, x, hw_shape):
+        if (recomputes(self) and x.requires_grad and not (self.drop.p > 0 and self.training)
+                and x.dtype in (torch.float32, torch.float64) and not autocast_on(x.device.type)):
+            return ConvMlpFunction.apply(x, tuple(hw_shape), self.keep_fc1, self.fc1.weight, self.fc1.bias,
+                                         self.dwc.weight, self.dwc.bias, self.fc2.weight, self.fc2.bias)
         return recomputed(self, self._forward, x, hw_shape)
 
     #: inference on large maps in bands of rows (the (B, rows * W, C) input tokens are the piece)
@@ -109,6 +120,56 @@ class NormMlpFunction(torch.autograd.Function):
         dx, dln_w, dln_b = torch.ops.aten.native_layer_norm_backward(dxn, x, (c,), mean, rstd, ln_w, ln_b,
                                                             [need[0], need[1], need[2]])
         return dx, dln_w, dln_b, None, dw1, db1, dw2, db2
+
+
+class ConvMlpFunction(torch.autograd.Function):
+    """ConvMlp's fc1 -> GELU -> u + DWConv3x3(u) -> GELU -> fc2 on tokens x (B, N, C) of an (H, W) map,
+    keeping x (and with `keep_fc1` the fc1 output h (B, N, rC)) for backward. Backward recomputes (fc1),
+    the two GELUs and the conv, but not fc2, and writes each gradient into a buffer the chain rule has
+    finished with: d(GELU2 input) into the GELU2 output once fc2's weight gradient has used it, d(fc1
+    output) into the conv's input gradient."""
+
+    @staticmethod
+    def forward(ctx, x, hw_shape, keep_fc1, w1, b1, wc, bc, w2, b2):
+        h = F.linear(x, w1, b1)
+        s = _conv_residual(F.gelu(h), hw_shape, wc, bc)
+        ctx.hw_shape = hw_shape
+        ctx.save_for_backward(x, h if keep_fc1 else None, w1, b1, wc, bc, w2, b2)
+        return F.linear(F.gelu(s), w2, b2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, h, w1, b1, wc, bc, w2, b2 = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        if h is None:
+            h = F.linear(x, w1, b1)
+        u = F.gelu(h)
+        s = _conv_residual(u, ctx.hw_shape, wc, bc)
+        r = h.shape[-1]
+        g, a = grad.reshape(-1, grad.shape[-1]), F.gelu(s).reshape(-1, r)
+        dw2 = g.t() @ a if need[7] else None
+        db2 = g.sum(0) if b2 is not None and need[8] else None
+        ds = torch.ops.aten.gelu_backward.grad_input((g @ w2).view(s.shape), s, grad_input=a.view(s.shape))
+        del s
+        du, dwc, dbc = torch.ops.aten.convolution_backward(
+            tokens_to_map(ds, ctx.hw_shape), tokens_to_map(u, ctx.hw_shape),
+            wc.to(memory_format=torch.channels_last), [r] if bc is not None else None, [1, 1], [1, 1], [1, 1],
+            False, [0, 0], r, [True, need[5], bc is not None and need[6]])
+        du = map_to_tokens(du).add_(ds)
+        dh = torch.ops.aten.gelu_backward.grad_input(du, h, grad_input=du).reshape(-1, r)
+        dw1 = dh.t() @ x.reshape(-1, x.shape[-1]) if need[3] else None
+        db1 = dh.sum(0) if b1 is not None and need[4] else None
+        dx = (dh @ w1).view_as(x) if need[0] else None
+        dwc = dwc.contiguous() if dwc is not None else None
+        return dx, None, None, dw1, db1, dwc, dbc, dw2, db2
+
+
+def _conv_residual(u, hw_shape, wc, bc):
+    """u + DWConv3x3(u) on tokens (B, N, rC): the conv output (channels-last, its token view needs no copy)
+    with u added into it."""
+    c = F.conv2d(tokens_to_map(u, hw_shape), wc.to(memory_format=torch.channels_last), bc, padding=1,
+                 groups=u.shape[-1])
+    return map_to_tokens(c).add_(u)
 
 
 def norm_mlp_branch(block, norm, mlp, x):

@@ -54,10 +54,51 @@ def apply_rope(x, rot):
         pairs = x.unflatten(-1, (-1, 2))
         re, im = pairs[..., 0], pairs[..., 1]
         return torch.stack([re * cos - im * sin, im * cos + re * sin], dim=-1).flatten(-2)
+    x, rot = _real_and_table(x, rot)
+    return torch.view_as_real(_complex(x) * rot).flatten(-2)
+
+
+def rope_heads(x, rot, num_heads):
+    """`apply_rope` followed by the head split, written straight into a contiguous (B, H, N, d) tensor
+    (the layout its matrix products take without copies); no autograd (an `out=` kernel). x: (B, N, C)."""
+    x, rot = _real_and_table(x, rot)
+    b, n, c = x.shape
+    if (c // num_heads) % 2:   # channel pairs across heads: rotate, then split
+        return torch.view_as_real(_complex(x) * rot).flatten(-2).unflatten(-1, (num_heads, -1)).transpose(1, 2) \
+            .contiguous()
+    out = x.new_empty(b, num_heads, n, c // num_heads)
+    torch.mul(_complex(x.unflatten(-1, (num_heads, -1))), rot.view(n, num_heads, -1),
+              out=_complex(out).transpose(1, 2))
+    return out
+
+
+def rope_heads_backward(g, rot, out):
+    """The transpose of `rope_heads`, written into `out` (B, N, C) (e.g. a channel slice of a larger
+    gradient): the rotation is orthogonal, so its transpose rotates back by the conjugate table.
+    g: (B, H, N, d) gradient of the rotated heads."""
+    b, h, n, d = g.shape
+    rot = (rot.to(torch.complex128) if g.dtype == torch.float64 else rot).conj()
+    if d % 2 or not _pairs_viewable(out):   # pairs across heads, or odd strides: rotate whole tokens
+        g = g.transpose(1, 2).reshape(b, n, h * d)
+        return out.copy_(torch.view_as_real(_complex(g) * rot).flatten(-2))
+    torch.mul(_complex(g).transpose(1, 2), rot.view(n, h, -1), out=_complex(out.unflatten(-1, (h, d))))
+    return out
+
+
+def _real_and_table(x, rot):
+    """fp32 (fp64 for fp64) tokens whose channel pairs can be viewed as complex numbers, and the table in
+    the matching complex dtype."""
     if x.dtype != torch.float64:
         x = x.float()
     else:
         rot = rot.to(torch.complex128)
-    if x.stride(-1) != 1 or x.storage_offset() % 2 or any(s % 2 for s in x.stride()[:-1]):
-        x = x.contiguous()
-    return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * rot).flatten(-2)
+    return (x if _pairs_viewable(x) else x.contiguous()), rot
+
+
+def _pairs_viewable(x):
+    return x.stride(-1) == 1 and not x.storage_offset() % 2 and not any(s % 2 for s in x.stride()[:-1])
+
+
+def _complex(x):
+    """Channel pairs (..., 2j, 2j + 1) of x as complex numbers (..., j): a view."""
+    return torch.view_as_complex(x.unflatten(-1, (-1, 2)))

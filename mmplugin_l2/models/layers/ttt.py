@@ -16,8 +16,11 @@ Speed and memory (same maths as the authors' code, outputs equal to rounding):
   product; without autograd the SwiGLU derivative is one fused kernel (`aten.silu_backward`);
 * the conv head works on channels-last (B, H, W, d) maps: its gradient is 9 shifted dot products over
   contiguous rows, its per-sample depth-wise conv runs with a channels-last kernel;
-* in training, `TTTCore` (an autograd Function) keeps only the fused qkv tensor for backward and
-  recomputes the inner-model intermediates there, instead of storing ~10 (B, N, C) temporaries per block.
+* in training, `TTTCore` (an autograd Function) keeps only the fused qkv tensor for backward instead of
+  ~10 (B, N, C) temporaries per block; its backward recomputes the inner models without autograd and runs
+  the chain rule through their one-step inner gradients in closed form (`ttt_core_backward`: a fixed
+  sequence of matrix products and fused elementwise kernels, q and k in the contiguous head layout their
+  products take without copies), not autograd through a second forward.
 """
 import torch
 import torch.nn as nn
@@ -27,7 +30,7 @@ from mmengine.model.weight_init import trunc_normal_
 from .dtypes import HALF_DTYPES, autocast_off, autocast_on, autocasts_to
 from .export import eager_inference, exporting
 from .memory import DEFAULT_POLICY, inference, recomputes
-from .rope import apply_rope
+from .rope import apply_rope, rope_heads, rope_heads_backward
 from .tokens import check_token_count
 
 
@@ -124,16 +127,25 @@ def dwconv_inner_grad(k, v, scale):
         (B*d, 1, 3, 3) normalised gradient (per sample and channel); fp32 for fp16 / bf16 maps.
     """
     b, h, w, c = k.shape
-    kp = F.pad(k, (0, 0, 1, 1, 1, 1))
-    acc = torch.float32 if k.dtype in HALF_DTYPES else None  # fp16 range: sums over H*W
-    if exporting():   # traced sizes stay in the graph (no Python float of H*W, no slice ends from H, W)
-        g = torch.stack([(kp[:, _tap(dy), _tap(dx)] * v).sum(dim=(1, 2), dtype=acc)
-                         for dy in range(3) for dx in range(3)], dim=-1)
+    g = tap_sums(k, v)
+    if exporting():   # traced sizes stay in the graph (no Python float of H*W)
         return normalize_inner_grad((g * -scale / (h * w)).reshape(-1, 1, 3, 3), (-2, -1))
-    g = torch.stack([(kp[:, dy:dy + h, dx:dx + w] * v).sum(dim=(1, 2), dtype=acc)
-                     for dy in range(3) for dx in range(3)], dim=-1)
     g = (g * (-scale / float(h * w))).reshape(b * c, 1, 3, 3)
     return normalize_inner_grad(g, (-2, -1))
+
+
+def tap_sums(k, v):
+    """sum_yx k(y + dy - 1, x + dx - 1) v(y, x) per sample and channel for the nine taps (dy, dx) of a 3x3
+    kernel (k zero-padded by one): the gradient of sum(conv(k, w) * v) w.r.t. a depth-wise kernel w.
+    k, v: (B, H, W, d) channels-last maps. Returns (B, d, 9), fp32 for fp16 / bf16 maps."""
+    h, w = k.shape[1:3]
+    kp = F.pad(k, (0, 0, 1, 1, 1, 1))
+    acc = torch.float32 if k.dtype in HALF_DTYPES else None  # fp16 range: sums over H*W
+    if exporting():   # traced sizes stay in the graph (no slice ends from H, W)
+        return torch.stack([(kp[:, _tap(dy), _tap(dx)] * v).sum(dim=(1, 2), dtype=acc)
+                            for dy in range(3) for dx in range(3)], dim=-1)
+    return torch.stack([(kp[:, dy:dy + h, dx:dx + w] * v).sum(dim=(1, 2), dtype=acc)
+                        for dy in range(3) for dx in range(3)], dim=-1)
 
 
 def _tap(i):
@@ -180,18 +192,30 @@ def ttt_core(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, fused=False):
     d = w1.shape[-1]
     c = num_heads * d
     q1, k1, v1, q2, k2, v2 = qkv.split([c, c, c, d, d, d], dim=-1)
-    if rot is not None:
-        q1, k1 = apply_rope(q1, rot), apply_rope(k1, rot)
-
-    q1, k1, v1 = (_heads(t, num_heads) for t in (q1, k1, v1))
+    q1, k1, v1 = _qkv_heads(q1, k1, v1, rot, num_heads, fused)
     w12 = _fast_weights(torch.cat([w1, w2], dim=-1), k1)
     w12 = w12 - (lr * _swiglu_grad_pair(k1, v1, w12, scale, fused)).to(w12.dtype)
-    x1 = _swiglu_readout(q1 @ w12).transpose(1, 2).reshape(b, n, c)
+    z = q1 @ w12
     if exporting():   # reshape, not unflatten: see `_heads`
         x2 = _conv_head(*(t.reshape(b, h, w, d) for t in (q2, k2, v2)), w3, scale, lr)
     else:
         x2 = _conv_head(*(t.unflatten(1, (h, w)) for t in (q2, k2, v2)), w3, scale, lr)
-    return torch.cat([x1, x2.to(x1.dtype)], dim=-1)
+    if not fused:
+        return torch.cat([_swiglu_readout(z).transpose(1, 2).reshape(b, n, c), x2.to(z.dtype)], dim=-1)
+    y = z.new_empty(b, n, c + d)       # no autograd: both outputs written into their channels
+    _swiglu_readout(z, out=_heads(y[..., :c], num_heads))
+    y[..., c:] = x2
+    return y
+
+
+def _qkv_heads(q1, k1, v1, rot, num_heads, fused):
+    """(B, N, C) q1, k1 (RoPE when `rot` is given) and v1 -> (B, H, N, d) heads; `fused` (no autograd)
+    writes q1 and k1 contiguous, the layout their matrix products take without copying them first."""
+    if fused and rot is not None:
+        return rope_heads(q1, rot, num_heads), rope_heads(k1, rot, num_heads), _heads(v1, num_heads)
+    if rot is not None:
+        q1, k1 = apply_rope(q1, rot), apply_rope(k1, rot)
+    return tuple(_heads(t, num_heads) for t in (q1, k1, v1))
 
 
 def ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, piece=None):
@@ -246,8 +270,120 @@ def ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr,
     return out
 
 
+def _normalize_backward(gs, dgn, dim):
+    """dL/dgs of gn = gs / (||gs|| + 1) (norm over `dim`) from dgn = dL/dgn:
+    (dgn - gs <dgn, gs> / (||gs|| (||gs|| + 1))) / (||gs|| + 1), the projection term dropped where
+    ||gs|| = 0 (gs is zero there; autograd's norm subgradient is zero too)."""
+    nrm = gs.norm(dim=dim, keepdim=True)
+    den = nrm + 1.0
+    dot = (dgn * gs).sum(dim=dim, keepdim=True)
+    return (dgn - gs * (dot / (nrm.clamp_min(torch.finfo(gs.dtype).tiny) * den))) / den
+
+
+def _swiglu_core_backward(dy, q, k, v, w12, scale, lr, out_v):
+    """Closed-form backward of the SwiGLU inner model: y = (q W'1) * SiLU(q W'2) with
+    W' = W - lr * normalise(-(scale/N) k^T [v SiLU(z2) | v z1 SiLU'(z2)]), z = k W, W = [W1 | W2].
+
+    Args:
+        dy: (B, H, N, d) gradient of y. q, k, v: (B, H, N, d) (q, k after RoPE). w12: (1 or B, H, d, 2d).
+        out_v: (B, H, N, d) view the gradient of v is written into.
+    Returns:
+        dq, dk (B, H, N, d) and dW (B, H, d, 2d), to be summed over a broadcast batch.
+    The recomputed forward keeps sigma(z2), SiLU(z2), SiLU'(z2) and z1 SiLU'(z2) for the chain rule
+    through the inner gradient; SiLU''(x) = s (1 - s) (2 + x - 2 SiLU(x)), s = sigma(x)."""
+    d = v.shape[-1]
+    n = k.shape[-2]
+    cst = -scale / float(n)
+    z = k @ w12
+    z1, z2 = z.split(d, dim=-1)
+    s2 = torch.sigmoid(z2)
+    silu2 = z2 * s2
+    om = 1.0 - s2
+    dsilu2 = torch.addcmul(s2, silu2, om)                 # SiLU' = s + SiLU (1 - s)
+    t = z1 * dsilu2
+    a = torch.empty_like(z)                               # [a1 | a2] = [v SiLU(z2) | v z1 SiLU'(z2)]
+    torch.mul(v, silu2, out=a[..., :d])
+    torch.mul(v, t, out=a[..., d:])
+    gs = (k.transpose(-2, -1) @ a) * cst
+    w12n = w12 - lr * normalize_inner_grad(gs, -2)
+
+    big_z = q @ w12n                                      # readout with the updated weights
+    dz_out = torch.empty_like(big_z)
+    zz1, zz2 = big_z.split(d, dim=-1)
+    torch.mul(dy, F.silu(zz2), out=dz_out[..., :d])
+    torch.ops.aten.silu_backward.grad_input(dy * zz1, zz2, grad_input=dz_out[..., d:])
+    del big_z, zz1, zz2
+    dq = dz_out @ w12n.transpose(-2, -1)
+    dwn = q.transpose(-2, -1) @ dz_out
+    del dz_out
+    dgs = _normalize_backward(gs, dwn * -lr, -2) * cst    # dL/d(k^T a)
+
+    dk = a @ dgs.transpose(-2, -1)
+    del a
+    da = k @ dgs
+    da1, da2 = da.split(d, dim=-1)
+    torch.mul(da1, silu2, out=out_v).addcmul_(da2, t)
+    dz = torch.empty_like(z)
+    torch.mul(da2, v, out=dz[..., :d]).mul_(dsilu2)
+    ddsilu2 = torch.add(z2, silu2, alpha=-2.0).add_(2.0).mul_(s2).mul_(om)
+    dz2 = torch.mul(da1, dsilu2, out=dz[..., d:])
+    dz2.addcmul_(da2.mul_(z1), ddsilu2).mul_(v)
+    del da, da1, da2, ddsilu2
+    dk.add_(dz @ w12.transpose(-2, -1))
+    return dq, dk, dwn.add_(k.transpose(-2, -1) @ dz)
+
+
+def _conv_head_backward(dx2, q2, k2, v2, w3, scale, lr):
+    """Closed-form backward of `_conv_head` (maps (B, H, W, d) channels-last, w3 (d, 1, 3, 3)):
+    y = conv(q2, w') with w' = w3 - lr * normalise(-(scale/(H W)) tap_sums(k2, v2)) per sample.
+    dq2 = conv(dy, flip(w')); dw' = tap_sums(q2, dy); through the inner gradient with dG = its
+    gradient: dv2 = conv(k2, dG), dk2 = conv(v2, flip(dG)). Returns dq2, dk2, dv2 as (B, H*W, d) tokens
+    and dw3 (d, 1, 3, 3)."""
+    b, h, w, d = q2.shape
+    cst = -scale / float(h * w)
+    gs = tap_sums(k2, v2) * cst                                       # (B, d, 9)
+    w3n = w3.reshape(1, d, 9) - lr * normalize_inner_grad(gs, -1)
+    dwn = tap_sums(q2, dx2)
+    dg = _normalize_backward(gs, dwn * -lr, -1) * cst
+    kernels = (t.reshape(b * d, 1, 3, 3) for t in (w3n.flip(-1), dg, dg.flip(-1)))   # flip(-1) of 9 taps =
+    dq2, dv2, dk2 = (dwconv_per_sample(x, k) for x, k in zip((dx2, k2, v2), kernels))  # both axes flipped
+    return dq2, dk2, dv2, dwn.sum(0).view_as(w3)
+
+
+def ttt_core_backward(grad_out, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
+    """Gradients of `ttt_core` w.r.t. qkv, w1, w2, w3 in closed form (fp32 / fp64, no autocast):
+    the inner models are recomputed without autograd and the chain rule runs through their one-step
+    inner gradients explicitly (`_swiglu_core_backward`, `_conv_head_backward`, RoPE transposed by its
+    conjugate rotation). grad_out: (B, N, C + d). Returns dqkv (B, N, 3C + 3d) and dw1, dw2, dw3."""
+    b, n, _ = qkv.shape
+    h, w = hw_shape
+    d = w1.shape[-1]
+    c = num_heads * d
+    q1, k1, v1, q2, k2, v2 = qkv.split([c, c, c, d, d, d], dim=-1)
+    q1, k1, v1 = _qkv_heads(q1, k1, v1, rot, num_heads, fused=True)
+    w12 = torch.cat([w1, w2], dim=-1)
+    dqkv = qkv.new_empty(qkv.shape)
+    dq1, dk1, dv1 = (dqkv[..., i * c:(i + 1) * c] for i in range(3))
+    dq, dk, dw12 = _swiglu_core_backward(_heads(grad_out[..., :c], num_heads), q1, k1, v1, w12, scale, lr,
+                                         out_v=_heads(dv1, num_heads))
+    for g, out in ((dq, dq1), (dk, dk1)):
+        if rot is not None:
+            rope_heads_backward(g, rot, out)
+        else:
+            _heads(out, num_heads).copy_(g)
+    del dq, dk
+    dw12 = dw12.sum_to_size(w12.shape)
+    maps = (t.unflatten(1, (h, w)) for t in (grad_out[..., c:], q2, k2, v2))
+    *dconv, dw3 = _conv_head_backward(*maps, w3, scale, lr)
+    for i, g in enumerate(dconv):
+        dqkv[..., 3 * c + i * d:3 * c + (i + 1) * d] = g
+    return dqkv, *dw12.split(d, dim=-1), dw3
+
+
 class TTTCore(torch.autograd.Function):
-    """`ttt_core` that saves only its inputs and recomputes the inner models in backward."""
+    """`ttt_core` that saves only its inputs and recomputes the inner models in backward: in closed form
+    (`ttt_core_backward`) for fp32 / fp64 without autocast, otherwise by autograd through a second
+    `ttt_core` under the forward's autocast state."""
 
     @staticmethod
     def forward(ctx, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
@@ -263,8 +399,13 @@ class TTTCore(torch.autograd.Function):
     def backward(ctx, grad_out):
         saved = ctx.saved_tensors
         needs = [ctx.needs_input_grad[i] for i in (0, 2, 3, 4)]
-        inputs = [t.detach().requires_grad_(r) for t, r in zip(saved, needs)]
         dev, enabled, dtype = ctx.autocast
+        if not enabled and saved[0].dtype in (torch.float32, torch.float64) and \
+                all(t.dtype == saved[0].dtype for t in saved[1:]):
+            g = ttt_core_backward(grad_out, *saved[:1], ctx.rot, *saved[1:], *ctx.args)
+            g = [t if r else None for t, r in zip(g, needs)]
+            return g[0], None, g[1], g[2], g[3], None, None, None, None
+        inputs = [t.detach().requires_grad_(r) for t, r in zip(saved, needs)]
         amp = torch.autocast(dev, enabled=True, dtype=dtype) if enabled else autocast_off(dev)
         with torch.enable_grad(), amp:
             out = ttt_core(inputs[0], ctx.rot, *inputs[1:], *ctx.args)
