@@ -8,7 +8,9 @@ x*theta_0 .. x*theta_{k_max-1}]; channel pairs (2j, 2j+1) are rotated as complex
 `rope_tables(h, w, c)` computes the (H*W, C/2) complex rotation table cos + i sin once per stage and size;
 `apply_rope(x, rot)` rotates tokens (B, N, C) with one complex multiply (no cos/sin temporaries, no stack)
 and returns fp32 for fp32/fp16/bf16 input, as the authors' code does. Bit-identical to the authors'
-real-valued form re*cos - im*sin, im*cos + re*sin.
+real-valued form re*cos - im*sin, im*cos + re*sin. Without autograd (H-ViT3's TTT training function),
+`rope_heads` rotates and splits into contiguous (B, H, N, d) heads in one pass and `rope_heads_backward`
+applies the transpose (rotation by the conjugate table) into a gradient's channel slice.
 """
 import torch
 
