@@ -88,6 +88,15 @@ def test_low_precision_matches_fp32(name, dtype, how):
 
 
 @pytest.mark.parametrize('name', BACKBONES)
+def test_fp32_training_gradients_against_float64(name):
+    """The `grad_fp64` check: one train-mode step's parameter gradients in fp32 against the same model in
+    float64 (custom backward functions included): nonzero (the two precisions really differ) and at the
+    fp32 rounding level at these sizes."""
+    (err,) = grad_error(model(name), images(2, 64, 96), torch.float64)
+    assert 1e-9 < err < 1e-4, err
+
+
+@pytest.mark.parametrize('name', BACKBONES)
 def test_gradients_under_autocast_are_finite_and_close(name):
     """One training step under bf16 / fp16 autocast. The error is dominated by the conv + BatchNorm stems
     (train-mode BN removes most of the conv output gradient, what is left carries bf16 rounding)."""

@@ -21,8 +21,10 @@ CHECKS = {
     'bfloat16': 'model.bfloat16() vs fp32 (rel. L2)',
     'grad_bf16': 'one training step under bf16 autocast: parameter gradients vs fp32 (rel. L2, all params)',
     'grad_fp16': 'one training step under fp16 autocast: parameter gradients vs fp32 (rel. L2, all params)',
+    'grad_fp64': 'one training step in fp32: parameter gradients vs the same model in float64 (rel. L2, all params)',
 }
-_LOW = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'half': torch.float16, 'bfloat16': torch.bfloat16}
+_LOW = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'half': torch.float16, 'bfloat16': torch.bfloat16,
+        'fp64': torch.float64}
 
 
 def rel_max(a, ref):
@@ -72,17 +74,23 @@ def cast_error(model, x, dtype, ref=None):
 def _grads(model, x, dtype=None):
     model.zero_grad(set_to_none=True)
     with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
-        loss = sum((o.float() ** 2).mean() for o in model(x))
+        loss = sum((o.double() if o.dtype == torch.float64 else o.float()).square().mean() for o in model(x))
     loss.backward()
     return {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def grad_error(model, x, dtype):
-    """rel. L2 of the flattened gradient of all parameters after one step on sum_i mean(out_i^2) under
-    autocast, against fp32; inf if any gradient is not finite."""
+    """rel. L2 of the flattened gradient of all parameters after one train-mode step on
+    sum_i mean(out_i^2) under `dtype` autocast, against fp32; for dtype float64: fp32 against the same
+    model in float64 (the training path's conditioning; custom backward functions included). inf if any
+    gradient is not finite."""
     model = copy.deepcopy(model).train()
-    ref = _grads(model, x)
-    low = _grads(model, x, dtype)
+    if dtype == torch.float64:
+        ref = _grads(copy.deepcopy(model).double(), x.double())
+        low = _grads(model, x)
+    else:
+        ref = _grads(model, x)
+        low = _grads(model, x, dtype)
     if set(ref) != set(low):
         raise RuntimeError(f'gradients of {sorted(set(ref) ^ set(low))} exist only in one precision')
     a = torch.cat([low[n].flatten() for n in ref])
@@ -105,6 +113,8 @@ def run_checks(model, x, checks):
             if x.shape[0] < 2:
                 raise ValueError('the batch check needs a batch of at least two images')
             res[c] = batch_error(model, x[:2])
+        elif c == 'grad_fp64':   # two images: train-mode BatchNorm over a batch of one has a CPU backward bug
+            res[c] = grad_error(model, x[:2], torch.float64)      # (`layers.conv.BatchNorm2d`) some models hit
         elif c.startswith('grad_'):
             res[c] = grad_error(model, one, _LOW[c[5:]])
         else:

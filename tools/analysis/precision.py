@@ -2,13 +2,13 @@
 half-precision weights, gradients under autocast (see mmplugin_l2/analysis/precision.py for the figures).
 
     python tools/analysis/precision.py [--models hvit3_t vit3_t l2vit_t rest_s] [--sizes 224 800x1344]
-        [--checks fp64 batch bf16 fp16 half bfloat16 grad_bf16 grad_fp16] [--device cpu|cuda]
-        [--authors-code ResT=PATH ...] [--out results.json]
+        [--checks fp64 batch bf16 fp16 half bfloat16 grad_bf16 grad_fp16 grad_fp64] [--device cpu|cuda]
+        [--authors-code ResT=PATH ...] [--same-weights] [--out results.json]
 
 Random weights (seeded; norms, biases and BatchNorm statistics randomised too, as in the benchmark's
 parity check), eval mode, batch 2 (only the batch check uses the second image). With --authors-code the
-fp64, batch and autocast checks also run on the authors' implementation of each model, for comparison (and ours is
-built in the configuration that computes their function, e.g. ResT with norm_in_path=True).
+fp64, batch, autocast and grad_fp64 checks also run on the authors' implementation of each model, for comparison (and
+ours is built in the configuration that computes their function, e.g. ResT with norm_in_path=True).
 """
 import argparse
 import json
@@ -22,7 +22,7 @@ from mmplugin_l2.analysis.models import MODELS, build
 from mmplugin_l2.analysis.precision import CHECKS, run_checks
 
 #: the checks also run on the authors' models (their code under autocast, as AMP users would run it)
-AUTHORS_CHECKS = ('fp64', 'batch', 'bf16', 'fp16')
+AUTHORS_CHECKS = ('fp64', 'batch', 'bf16', 'fp16', 'grad_fp64')
 EXTRA = {'vit3_t': dict(type='ViT3', arch='tiny', drop_path_rate=0.)}
 
 
@@ -43,6 +43,9 @@ def main(argv=None):
     p.add_argument('--checks', nargs='+', default=list(CHECKS), choices=list(CHECKS))
     p.add_argument('--device', default='cpu')
     p.add_argument('--authors-code', nargs='+', default=[], metavar='FAMILY=PATH')
+    p.add_argument('--same-weights', action='store_true',
+                   help="with --authors-code: ours gets the authors' random weights (their state_dict through our "
+                        "convert_state_dict), so both compute one function; otherwise each is randomised on its own")
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--out', help='write the results to this JSON file')
     args = p.parse_args(argv)
@@ -60,6 +63,18 @@ def main(argv=None):
                 def theirs(name=name, family=family):
                     torch.manual_seed(args.seed)
                     return authors_mod.randomize_(authors_mod.build(name, roots[family]), seed=1)
+                if args.same_weights:
+                    def theirs(name=name, family=family, plain=theirs):
+                        m = plain()
+                        with torch.no_grad():   # ViTTT's inner-loss scale differs on a module's first call
+                            m.eval()(x[:1])
+                        return m
+
+                    def ours(name=name, extra=extra, state=theirs().model.state_dict()):
+                        m = build_model(name, extra)
+                        m.load_state_dict(m.convert_state_dict(state), strict=True)
+                        return m
+                    entries[0] = (name, ours, args.checks)
                 entries.append((name + '@authors', theirs, [c for c in args.checks if c in AUTHORS_CHECKS]))
             for label, make, checks in entries:
                 torch.manual_seed(args.seed)
