@@ -23,8 +23,7 @@ CHECKS = {
     'grad_fp16': 'one training step under fp16 autocast: parameter gradients vs fp32 (rel. L2, all params)',
     'grad_fp64': 'one training step in fp32: parameter gradients vs the same model in float64 (rel. L2, all params)',
 }
-_LOW = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'half': torch.float16, 'bfloat16': torch.bfloat16,
-        'fp64': torch.float64}
+_LOW = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'half': torch.float16, 'bfloat16': torch.bfloat16}
 
 
 def rel_max(a, ref):
@@ -113,8 +112,10 @@ def run_checks(model, x, checks):
             if x.shape[0] < 2:
                 raise ValueError('the batch check needs a batch of at least two images')
             res[c] = batch_error(model, x[:2])
-        elif c == 'grad_fp64':   # two images: train-mode BatchNorm over a batch of one has a CPU backward bug
-            res[c] = grad_error(model, x[:2], torch.float64)      # (`layers.conv.BatchNorm2d`) some models hit
+        elif c == 'grad_fp64':
+            # two images: torch's CPU BatchNorm backward is wrong at batch 1 for some layouts (see
+            # `layers.conv.BatchNorm2d`), which the authors' models hit
+            res[c] = grad_error(model, x[:2], torch.float64)
         elif c.startswith('grad_'):
             res[c] = grad_error(model, one, _LOW[c[5:]])
         else:
