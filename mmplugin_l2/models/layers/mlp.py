@@ -45,8 +45,7 @@ class ConvMlp(nn.Module):
     keep_fc1 = True
 
     def forward(self, x, hw_shape):
-        if (recomputes(self) and x.requires_grad and not (self.drop.p > 0 and self.training)
-                and x.dtype in (torch.float32, torch.float64) and not autocast_on(x.device.type)):
+        if recomputes(self) and x.requires_grad and _closed_form_applies(self, x):
             return ConvMlpFunction.apply(x, tuple(hw_shape), self.keep_fc1, self.fc1.weight, self.fc1.bias,
                                          self.dwc.weight, self.dwc.bias, self.fc2.weight, self.fc2.bias)
         return recomputed(self, self._forward, x, hw_shape)
@@ -172,6 +171,13 @@ def _conv_residual(u, hw_shape, wc, bc):
     return map_to_tokens(c).add_(u)
 
 
+def _closed_form_applies(mlp, x):
+    """Whether an MLP's closed-form training function (`NormMlpFunction`, `ConvMlpFunction`) may run:
+    no active dropout (its masks need checkpointing's RNG replay), fp32 / fp64 tokens outside autocast."""
+    return (not (mlp.drop.p > 0 and mlp.training) and x.dtype in (torch.float32, torch.float64)
+            and not autocast_on(x.device.type))
+
+
 def norm_mlp_branch(block, norm, mlp, x):
     """The pre-norm MLP branch mlp(norm(x)) of `block`. When the block recomputes (`memory.recomputes`):
     `NormMlpFunction` for a LayerNorm and an `Mlp` without dropout outside autocast (see the module
@@ -179,8 +185,7 @@ def norm_mlp_branch(block, norm, mlp, x):
     if not recomputes(block):
         return mlp(norm(x))
     if (isinstance(norm, nn.LayerNorm) and norm.elementwise_affine and isinstance(mlp, Mlp)
-            and not (mlp.drop.p > 0 and mlp.training) and x.dtype in (torch.float32, torch.float64)
-            and not autocast_on(x.device.type)):
+            and _closed_form_applies(mlp, x)):
         return NormMlpFunction.apply(x, norm.weight, norm.bias, norm.eps, mlp.fc1.weight, mlp.fc1.bias,
                                      mlp.fc2.weight, mlp.fc2.bias)
     return recomputed_branch(block, norm, mlp, x)
