@@ -255,6 +255,33 @@ def test_linear_attention_training_gradients_against_explicit_matrix():
     assert torch.autograd.gradcheck(lambda *a: LinearAttentionCore.apply(*a, 2.), (q, k, v, t))
 
 
+def test_linear_attention_training_copies_each_head_operand_once():
+    """In training, LinearAttentionCore reads q, k, v (strided views of the qkv output, as LinearAttention
+    makes them) into the contiguous head layout once, in forward: its forward + backward make one map-sized
+    copy (v; Q and K are written by the ReLU) and no other, where torch.matmul on the views copied an
+    operand before every batched product."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from mmplugin_l2.models.layers.linear_attention import LinearAttentionCore
+    b, n, h, d = 2, 50, 3, 8
+    qkv = torch.randn(b, n, 3 * h * d, dtype=torch.float64, requires_grad=True)
+    q, k, v = (t.transpose(1, 2) for t in qkv.view(b, n, 3, h, d).unbind(2))
+    t = torch.full((h, 1, 1), 0.3, dtype=torch.float64, requires_grad=True)
+    copies = []
+
+    class Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.clone, torch.ops.aten.copy_, torch.ops.aten._to_copy):
+                if out.numel() >= n * d:
+                    copies.append((str(func), tuple(out.shape)))
+            return out
+    with Copies():
+        out = LinearAttentionCore.apply(q, k, v, t, 2.)
+        grads = torch.autograd.grad(out, [q, k, v, t], torch.randn_like(out))
+    assert copies == [('aten.clone.default', (b, h, n, d))], copies
+    assert all(g.is_contiguous() for g in grads[:3])
+
+
 def test_clamp_is_active_and_exact():
     """One head, q = k = v = x, identity projection, temperature 1: out_i = x_i (sum_j x_j^T x_j) /
     max(x_i . sum_j x_j, 100), computed by hand. Tokens below 100 are divided by exactly 100."""

@@ -19,7 +19,8 @@
   autograd's graph of relu / clamp / division backward nodes. Same values; gradients equal autograd's to
   float rounding (float64 gradcheck in the tests).
 Tokens (B, N, C) in, (B, N, C) out; qkv = Linear(C, 3C) (bias in L2ViT), proj = Linear(C, C). q, k and v are
-views of the qkv output (its backward stacks their gradients into the qkv layout in one copy).
+views of the qkv output (its backward stacks their gradients into the qkv layout in one copy); in training
+`LinearAttentionCore` writes Q, K and v once in the contiguous head layout.
 """
 import contextlib
 
@@ -42,27 +43,32 @@ class LinearAttentionCore(torch.autograd.Function):
         dKV = t Q^T Gn,  dt = sum(KV * Q^T Gn),  dK = v dKV^T + 1 (Q^T g)^T,  dv = K dKV,
         dq = dQ [q > 0],  dk = dK [k > 0]
 
-    (the clamp passes the gradient where r >= clamp_min, as torch.clamp). Kept for backward: q, k, v (views
-    of the qkv output: its buffer only), KV and r (d x d and N x 1); Q and K are recomputed there."""
+    (the clamp passes the gradient where r >= clamp_min, as torch.clamp). Kept for backward: Q, K and v in
+    the contiguous (B, heads, N, d) layout (as much as the qkv output, which is then freed), KV and r (d x d
+    and N x 1). Every batched product then reads its operands in place."""
 
     @staticmethod
     def forward(ctx, q, k, v, temperature, clamp_min):
-        qr, kr = q.relu(), k.relu()
-        r = qr @ kr.transpose(-2, -1).sum(dim=-1, keepdim=True)
+        # Q, K and v in the contiguous head layout, written once: q, k, v are strided views of the qkv output,
+        # and torch.matmul would copy each strided operand before every batched product (ten map-sized copies
+        # per layer in forward + backward). The qkv output itself is then not kept.
+        qr = torch.clamp_min(q, 0, out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
+        kr = torch.clamp_min(k, 0, out=torch.empty(k.shape, dtype=k.dtype, device=k.device))
+        v = v.contiguous()
+        r = qr @ kr.sum(dim=-2).unsqueeze(-1)
         kv = kr.transpose(-2, -1) @ v
-        out = (qr @ (kv * temperature)) / torch.clamp(r, min=clamp_min)
+        out = (qr @ (kv * temperature)).div_(torch.clamp(r, min=clamp_min))
         ctx.clamp_min = clamp_min
-        ctx.save_for_backward(q, k, v, temperature, kv, r)
+        ctx.save_for_backward(qr, kr, v, temperature, kv, r)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, t, kv, r = ctx.saved_tensors
+        q, k, v, t, kv, r = ctx.saved_tensors           # q, k: Q, K (after the ReLU), contiguous like v
         with _autocast_off(grad.device.type):
-            q, k = q.relu(), k.relu()
             kvt = kv * t
             den = torch.clamp(r, min=ctx.clamp_min)
-            gn = grad / den
+            gn = torch.div(grad, den, out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
             dq = gn @ kvt.transpose(-2, -1)
             g = (q * dq).sum(-1, keepdim=True).div_(den).neg_().masked_fill_(r < ctx.clamp_min, 0)
             dq.addcmul_(g, k.sum(dim=-2, keepdim=True))
