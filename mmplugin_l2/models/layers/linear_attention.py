@@ -52,8 +52,8 @@ class LinearAttentionCore(torch.autograd.Function):
         # Q, K and v in the contiguous head layout, written once: q, k, v are strided views of the qkv output,
         # and torch.matmul would copy each strided operand before every batched product (ten map-sized copies
         # per layer in forward + backward). The qkv output itself is then not kept.
-        qr = torch.clamp_min(q, 0, out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
-        kr = torch.clamp_min(k, 0, out=torch.empty(k.shape, dtype=k.dtype, device=k.device))
+        qr = torch.clamp_min(q, 0, out=q.new_empty(q.shape))
+        kr = torch.clamp_min(k, 0, out=k.new_empty(k.shape))
         v = v.contiguous()
         r = qr @ kr.sum(dim=-2).unsqueeze(-1)
         kv = kr.transpose(-2, -1) @ v
@@ -68,7 +68,7 @@ class LinearAttentionCore(torch.autograd.Function):
         with _autocast_off(grad.device.type):
             kvt = kv * t
             den = torch.clamp(r, min=ctx.clamp_min)
-            gn = torch.div(grad, den, out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
+            gn = torch.div(grad, den, out=q.new_empty(q.shape))
             dq = gn @ kvt.transpose(-2, -1)
             g = (q * dq).sum(-1, keepdim=True).div_(den).neg_().masked_fill_(r < ctx.clamp_min, 0)
             dq.addcmul_(g, k.sum(dim=-2, keepdim=True))
