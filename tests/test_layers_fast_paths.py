@@ -389,7 +389,7 @@ def test_batchnorm_train_pass_on_channels_last_maps_is_accurate(affine, momentum
             bn.bias.normal_()
     ref = _functional_bn_reference(nn.Sequential(bn))[0].train()
     bn.train()
-    for _ in range(2):                            # the running statistics' update twice (momentum None: mean of)
+    for _ in range(2):              # two updates of the running statistics (momentum None: their cumulative mean)
         xx = x.float().requires_grad_()
         y = bn(xx)
         assert type(y.grad_fn).__name__ == 'BatchNormCLFunctionBackward'
