@@ -224,6 +224,9 @@ def test_policy_rule_and_errors():
         assert p.pieces(m.train(), x, 21) is None
     assert p.pieces(m.eval(), x, 21) is None                                    # autograd records
     assert p.train_pieces(20) is None and p.train_pieces(21) == 10
+    assert p.train_cache_pieces(x, 20) is None and p.train_cache_pieces(x, 21) == 10
+    assert MemoryPolicy(10, devices=()).train_cache_pieces(x, 21) is None   # not on this device type
+    assert MemoryPolicy(None).train_cache_pieces(x, 10 ** 12) is None
     assert MemoryPolicy.build(None).max_elems is None
     with pytest.raises(ValueError, match='max_elems must be a positive int'):
         MemoryPolicy(0)
@@ -294,6 +297,67 @@ def test_conv_mlp_function_gradients_and_what_it_keeps(keep_fc1, monkeypatch):
     weights = nbytes(list(m.parameters()))
     assert nbytes(saved) - weights == 8 * 2 * 30 * (8 + 32 * keep_fc1)
     assert torch.autograd.gradcheck(lambda *t: ConvMlpFunction.apply(t[0], (6, 5), keep_fc1, *t[1:]), params)
+
+
+class _NewTensors(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the element count of every tensor an op returns in new memory (not a view of or a write into
+    one of its arguments)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numels = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        given = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                 if torch.is_tensor(t)}
+        self.numels += [t.numel() for t in torch.utils._pytree.tree_leaves(out)
+                        if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in given]
+        return out
+
+
+@pytest.mark.parametrize('rows', [None, 7, 1, 61])
+def test_norm_mlp_function_in_pieces_gradients(rows):
+    """L2ViT's recomputed MLP branch (`NormMlpFunction`) whole and in pieces of `rows` tokens (a partial last
+    one): output and every gradient as autograd through the plain ops (float64), gradcheck."""
+    from mmplugin_l2.models.layers.mlp import NormMlpFunction
+    torch.manual_seed(0)
+    norm, mlp = _random_(nn.LayerNorm(8)), _random_(Mlp(8, 32))
+    x = torch.randn(2, 30, 8, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, 30, 8, dtype=torch.float64)
+    params = [x] + list(norm.parameters()) + list(mlp.parameters())
+
+    def fn(t, lw, lb, w1, b1, w2, b2):
+        return NormMlpFunction.apply(t, lw, lb, norm.eps, w1, b1, w2, b2, rows)
+    y, ref = fn(*params), mlp(norm(x))
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-14)
+    for a, b in zip(torch.autograd.grad(y, params, g), torch.autograd.grad(ref, params, g)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
+    assert torch.autograd.gradcheck(fn, params)
+
+
+def test_norm_mlp_branch_takes_training_pieces_on_policy_devices():
+    """In a training step on a device of the policy, the MLP branch of a recomputing L2ViT block runs in
+    pieces of `max_elems`: the fc1 output is the only hidden-width (N, rC) tensor of its forward and
+    backward (the LayerNorm and GELU outputs and the hidden gradients are piece-sized); on other device
+    types (none listed) the same gradients from whole maps."""
+    from mmplugin_l2.models.backbones.l2vit import LGABlock
+    from mmplugin_l2.models.layers.mlp import norm_mlp_branch
+    n, c = 2 * 40, 8
+    grads = {}
+    for devices in (('cpu',), ()):
+        torch.manual_seed(0)
+        blk = _random_(LGABlock(c, 2)).train()
+        set_memory_policy(blk, dict(max_elems=4 * c, devices=devices))     # pieces of 4 tokens
+        x = torch.randn(2, 40, c, dtype=torch.float64, requires_grad=True)
+        with _NewTensors() as rec:
+            y = norm_mlp_branch(blk, blk.norm2, blk.mlp, x)
+            grads[devices] = torch.autograd.grad(y, [x] + list(blk.mlp.parameters()), torch.ones_like(y))
+        hidden = sum(k >= n * 4 * c for k in rec.numels)
+        assert hidden == (1 if devices else 3), rec.numels    # whole maps: + the GELU output twice
+    for a, b in zip(*grads.values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
 
 
 @pytest.mark.parametrize('groups,k,stride', [(16, 3, 1), (16, 7, 1), (1, 3, 2), (1, 1, 1)])

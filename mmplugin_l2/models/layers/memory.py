@@ -16,6 +16,12 @@ EMSA) follows one `MemoryPolicy`, set for a whole backbone by its `memory_policy
   ~1e-7 relative). A module in train mode never takes them (so dropout and BatchNorm statistics behave the
   same under `torch.no_grad()`), nor does an eval-mode module while autograd records (Grad-CAM, receptive
   fields): the pieces use in-place kernels that autograd cannot differentiate.
+* **Training pieces** (`train_cache_pieces`): in train mode with autograd recording, on a device type in
+  `devices`, a training function written for pieces (L2ViT's MLP branch, `mlp.NormMlpFunction`) runs its
+  forward and backward in pieces of `max_elems` once the map exceeds `2 * max_elems`: its temporaries stay
+  in cache instead of being fresh map-sized tensors (on CPU every page of a fresh large tensor is zeroed by
+  the kernel on first touch). What it keeps for backward is unchanged; parameter gradients are sums over
+  the pieces (another summation order).
 * **Recomputation pieces** (`train_pieces`): in train mode with autograd recording, a layer that
   recomputes in backward (ResT's `ChunkedEMSAAttention`) uses pieces of `max_elems` once the map exceeds
   `2 * max_elems`, on every device (it is a memory saving, not a cache one). Whether a layer recomputes
@@ -68,6 +74,14 @@ class MemoryPolicy:
         if self.max_elems is None or whole_elems <= 2 * self.max_elems or x.device.type not in self.devices:
             return None
         return self.max_elems if inference(module) else None
+
+    def train_cache_pieces(self, x, whole_elems):
+        """Elements per piece of a training function that runs in pieces to keep its temporaries in cache
+        (`mlp.NormMlpFunction`) on `x`'s device, or None for the whole map: as `pieces`, but in train mode
+        with autograd recording (the caller decides that it is in training)."""
+        if self.max_elems is None or whole_elems <= 2 * self.max_elems or x.device.type not in self.devices:
+            return None
+        return self.max_elems
 
     def train_pieces(self, whole_elems):
         """Elements per piece of a recomputing layer's training step, or None for the whole map."""

@@ -89,36 +89,75 @@ def gelu(x, inplace=False):
 class NormMlpFunction(torch.autograd.Function):
     """fc2(GELU(fc1(LayerNorm(x)))) on tokens x (..., C), keeping x, the LayerNorm statistics and the fc1
     output h (..., rC) for backward. Backward recomputes LN(x) and GELU(h), and writes the GELU gradient
-    into the recomputed GELU buffer once fc2's weight gradient has used it."""
+    into the recomputed GELU buffer once fc2's weight gradient has used it.
+
+    `rows` (None: all) is the number of tokens per piece: forward and backward run piece by piece, so the
+    LayerNorm output, the GELU output and the hidden gradients are (rows, rC) temporaries that stay in cache
+    instead of fresh map-sized tensors (the memory policy's training pieces, `memory.MemoryPolicy`); only h,
+    the output and the input gradient are whole maps. The parameter gradients are then sums of the pieces'
+    (another summation order, ~1e-7 relative in float32); the output and the input gradient are per token."""
 
     @staticmethod
-    def forward(ctx, x, ln_w, ln_b, eps, w1, b1, w2, b2):
+    def forward(ctx, x, ln_w, ln_b, eps, w1, b1, w2, b2, rows=None):
         c = x.shape[-1]
-        xn, mean, rstd = torch.native_layer_norm(x, (c,), ln_w, ln_b, eps)
-        h = F.linear(xn, w1, b1)
-        y = F.linear(F.gelu(h), w2, b2)
-        ctx.eps = eps
+        x2 = x.reshape(-1, c)
+        m = x2.shape[0]
+        rows = m if rows is None else max(1, min(rows, m))
+        h, y = x2.new_empty(m, w1.shape[0]), x2.new_empty(m, w2.shape[0])
+        mean, rstd = x2.new_empty(m, 1), x2.new_empty(m, 1)
+        for r0 in range(0, m, rows):
+            r = slice(r0, r0 + rows)
+            xn, mean[r], rstd[r] = torch.native_layer_norm(x2[r], (c,), ln_w, ln_b, eps)
+            _linear_into(h[r], xn, w1, b1)
+            _linear_into(y[r], F.gelu(h[r]), w2, b2)
+        ctx.eps, ctx.rows = eps, rows
         ctx.save_for_backward(x, mean, rstd, ln_w, ln_b, h, w1, w2, b1, b2)
-        return y
+        return y.view(*x.shape[:-1], w2.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
         x, mean, rstd, ln_w, ln_b, h, w1, w2, b1, b2 = ctx.saved_tensors
-        c = x.shape[-1]
-        xn = torch.native_layer_norm(x, (c,), ln_w, ln_b, ctx.eps)[0].reshape(-1, c)
-        g = grad.reshape(-1, grad.shape[-1])
-        hh = h.reshape(-1, h.shape[-1])
-        a = F.gelu(hh)
+        c, rows = x.shape[-1], ctx.rows
+        x2, g = x.reshape(-1, c), grad.reshape(-1, grad.shape[-1])
         need = ctx.needs_input_grad
-        dw2 = g.t() @ a if need[6] else None
-        db2 = g.sum(0) if b2 is not None and need[7] else None
-        dh = torch.ops.aten.gelu_backward.grad_input(g @ w2, hh, grad_input=a)     # a is free now
-        dw1 = dh.t() @ xn if need[4] else None
-        db1 = dh.sum(0) if b1 is not None and need[5] else None
-        dxn = (dh @ w1).view(x.shape)
-        dx, dln_w, dln_b = torch.ops.aten.native_layer_norm_backward(dxn, x, (c,), mean, rstd, ln_w, ln_b,
-                                                            [need[0], need[1], need[2]])
-        return dx, dln_w, dln_b, None, dw1, db1, dw2, db2
+        dx = torch.empty_like(x2) if need[0] else None
+        grads = [torch.zeros_like(t) if t is not None and n else None
+                 for t, n in zip((ln_w, ln_b, w1, b1, w2, b2), need[1:3] + need[4:8])]
+        dln_w, dln_b, dw1, db1, dw2, db2 = grads
+        for r0 in range(0, x2.shape[0], rows):
+            r = slice(r0, r0 + rows)
+            xr, gr, hr = x2[r], g[r], h[r]
+            xn = torch.native_layer_norm(xr, (c,), ln_w, ln_b, ctx.eps)[0]
+            a = F.gelu(hr)
+            if dw2 is not None:
+                dw2.addmm_(gr.t(), a)
+            if db2 is not None:
+                db2.add_(gr.sum(0))
+            dh = torch.ops.aten.gelu_backward.grad_input(torch.mm(gr, w2, out=a), hr, grad_input=a)  # a is free
+            if dw1 is not None:
+                dw1.addmm_(dh.t(), xn)
+            if db1 is not None:
+                db1.add_(dh.sum(0))
+            if dx is None and dln_w is None and dln_b is None:
+                continue
+            dxr, dwr, dbr = torch.ops.aten.native_layer_norm_backward(
+                dh @ w1, xr, (c,), mean[r], rstd[r], ln_w, ln_b,
+                [dx is not None, dln_w is not None, dln_b is not None])
+            if dx is not None:
+                dx[r] = dxr
+            if dln_w is not None:
+                dln_w.add_(dwr)
+            if dln_b is not None:
+                dln_b.add_(dbr)
+        return (dx.view(x.shape) if dx is not None else None, dln_w, dln_b, None, dw1, db1, dw2, db2, None)
+
+
+def _linear_into(out, x, w, b):
+    """out = x @ w^T + b for 2-D x, written into `out` (a contiguous row slice of a larger tensor)."""
+    if b is None:
+        torch.mm(x, w.t(), out=out)
+    else:
+        torch.addmm(b, x, w.t(), out=out)
 
 
 class ConvMlpFunction(torch.autograd.Function):
@@ -186,8 +225,9 @@ def norm_mlp_branch(block, norm, mlp, x):
         return mlp(norm(x))
     if (isinstance(norm, nn.LayerNorm) and norm.elementwise_affine and isinstance(mlp, Mlp)
             and _closed_form_applies(mlp, x)):
+        piece = mlp.memory_policy.train_cache_pieces(x, x.numel())
         return NormMlpFunction.apply(x, norm.weight, norm.bias, norm.eps, mlp.fc1.weight, mlp.fc1.bias,
-                                     mlp.fc2.weight, mlp.fc2.bias)
+                                     mlp.fc2.weight, mlp.fc2.bias, None if piece is None else piece // x.shape[-1])
     return recomputed_branch(block, norm, mlp, x)
 
 
