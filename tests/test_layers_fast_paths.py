@@ -16,6 +16,7 @@ from mmplugin_l2.models.layers import (CPE, EMSA, LCM, PA, Conv2dCL, ConvDownsam
                                       L2ViTStem, LinearAttention, MemoryPolicy, Mlp, ResTPatchEmbed, ResTStem,
                                       TTTAttention, WindowAttention, rope_tables, set_memory_policy)
 from mmplugin_l2.models.layers.bands import can_run_in_bands
+from mmplugin_l2.models.layers.memory import pre_norm
 
 
 class RecordingPolicy(MemoryPolicy):
@@ -147,6 +148,26 @@ def test_window_attention_bands(mask_padding, hw):
     m = _random_(WindowAttention(32, 2, 7, mask_padding=mask_padding))
     x = torch.randn(2, hw[0] * hw[1], 32, dtype=torch.float64)
     close(*paths(m, (x, hw), max_elems=1))
+
+
+class _PreNorm(nn.Module):
+    def __init__(self, module):
+        super().__init__()
+        self.norm, self.module = nn.LayerNorm(32), module
+
+    def forward(self, x, *args):
+        return pre_norm(self.norm, self.module, x, *args)
+
+
+@pytest.mark.parametrize('module,hw', [(Mlp(32, 64), ()), (LinearAttention(32, 2), ()),
+                                       (WindowAttention(32, 2, 7), ((20, 33),)), (WindowAttention(32, 2, 7), ((5, 9),))])
+def test_pre_norm_in_the_pieces(module, hw):
+    """`memory.pre_norm`: at inference the LayerNorm runs piece by piece inside the module (Mlp chunks,
+    linear-attention chunks in both passes, window-attention bands before their padding) = module(norm(x))."""
+    m = _random_(_PreNorm(module))
+    n = hw[0][0] * hw[0][1] if hw else 45
+    x = torch.randn(2, n, 32, dtype=torch.float64)
+    close(*paths(m, (x, *hw), max_elems=1))
 
 
 @pytest.mark.parametrize('cls,args,shape', [(PA, (8,), (2, 8, 7, 9)), (ResTStem, (3, 16), (2, 3, 29, 31)),

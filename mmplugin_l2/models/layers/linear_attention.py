@@ -119,12 +119,16 @@ class LinearAttention(nn.Module):
 
     #: inference on large maps in token chunks (the (B, chunk, C) tokens are the piece)
     memory_policy = DEFAULT_POLICY
+    #: `forward(x, norm=norm)` computes attn(norm(x)), the norm chunk by chunk at inference
+    fuses_norm = True
 
-    def forward(self, x):
+    def forward(self, x, norm=None):
         b, n, c = x.shape
         piece = self.memory_policy.pieces(self, x, b * n * c)
         if piece is not None:
-            return self._forward_chunks(x, piece)
+            return self._forward_chunks(x, piece, norm)
+        if norm is not None:
+            x = norm(x)
         qkv = self.qkv(x)
         q, k, v = (t.transpose(1, 2) for t in qkv.view(b, n, 3, self.num_heads, c // self.num_heads).unbind(2))
         if self.fp32_reduce and qkv.dtype != torch.float64:
@@ -134,10 +138,11 @@ class LinearAttention(nn.Module):
             out = self.linear_attention(q, k, v)
         return self.proj(out.transpose(1, 2).reshape(b, n, c))
 
-    def _forward_chunks(self, x, piece):
+    def _forward_chunks(self, x, piece, norm=None):
         """Inference in token chunks, two passes: the k | v columns of qkv, sum_j K_j and K^T V summed over
-        the chunks; then per chunk the q columns, the normalised output and proj. Only the output is
-        map-sized. Same values as `forward` up to the summation order of the two sums (~1e-7 relative)."""
+        the chunks; then per chunk the q columns, the normalised output and proj (`norm`, the pre-norm, on
+        each chunk in both passes). Only the output is map-sized. Same values as `forward` up to the
+        summation order of the two sums (~1e-7 relative)."""
         b, n, c = x.shape
         nh, d = self.num_heads, c // self.num_heads
         step = max(1, piece // (b * c))
@@ -148,16 +153,19 @@ class LinearAttention(nn.Module):
             t = t.unflatten(-1, (nh, d)).transpose(1, 2)
             return t.float() if fp32 else t
 
+        def chunk(i):
+            return x[:, i:i + step] if norm is None else norm(x[:, i:i + step])
+
         ksum = kv = None
         for i in range(0, n, step):
-            t = nn.functional.linear(x[:, i:i + step], w[c:], None if bias is None else bias[c:])
+            t = nn.functional.linear(chunk(i), w[c:], None if bias is None else bias[c:])
             with _autocast_off(x.device.type) if fp32 else contextlib.nullcontext():
                 k, v = heads(t[..., :c]).relu(), heads(t[..., c:])
                 ks, part = k.transpose(-2, -1).sum(dim=-1, keepdim=True), k.transpose(-2, -1) @ v
                 ksum, kv = (ks, part) if kv is None else (ksum.add_(ks), kv.add_(part))
         out = None
         for i in range(0, n, step):
-            t = nn.functional.linear(x[:, i:i + step], w[:c], None if bias is None else bias[:c])
+            t = nn.functional.linear(chunk(i), w[:c], None if bias is None else bias[:c])
             with _autocast_off(x.device.type) if fp32 else contextlib.nullcontext():
                 q = heads(t).relu()
                 denom = torch.clamp(q @ ksum, min=self.clamp_min)

@@ -109,6 +109,15 @@ def recomputes(module):
     return module.recompute and module.training and torch.is_grad_enabled() and not exporting()
 
 
+def pre_norm(norm, module, x, *args):
+    """A pre-norm branch `module(norm(x), *args)`. At inference (`inference`), a module that takes the norm
+    into its pieces (`fuses_norm`: it applies `norm` piece by piece, rows are independent, so the values are
+    the same) gets `module(x, *args, norm=norm)`: no map-sized LayerNorm output."""
+    if getattr(module, 'fuses_norm', False) and inference(module):
+        return module(x, *args, norm=norm)
+    return module(norm(x), *args)
+
+
 def set_memory_policy(model, policy):
     """Give every layer of `model` that follows a memory policy (has a `memory_policy` attribute) the
     policy `policy` (anything `MemoryPolicy.build` takes); returns the MemoryPolicy."""

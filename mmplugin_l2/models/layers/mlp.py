@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from .conv import Conv2dCL
 from .dtypes import autocast_on
-from .memory import DEFAULT_POLICY, inference, recomputes
+from .memory import DEFAULT_POLICY, inference, pre_norm, recomputes
 from .recompute import recomputed, recomputed_branch
 from .tokens import add_residual, map_to_tokens, tokens_conv, tokens_to_map
 
@@ -222,7 +222,7 @@ def norm_mlp_branch(block, norm, mlp, x):
     `NormMlpFunction` for a LayerNorm and an `Mlp` without dropout outside autocast (see the module
     docstring), otherwise the whole branch recomputed in backward (`recompute.recomputed_branch`)."""
     if not recomputes(block):
-        return mlp(norm(x))
+        return pre_norm(norm, mlp, x)
     if (isinstance(norm, nn.LayerNorm) and norm.elementwise_affine and isinstance(mlp, Mlp)
             and _closed_form_applies(mlp, x)):
         piece = mlp.memory_policy.train_cache_pieces(x, x.numel())
@@ -244,20 +244,28 @@ class Mlp(nn.Module):
 
     #: inference on large maps in token chunks (the (B, chunk, C) input tokens are the piece)
     memory_policy = DEFAULT_POLICY
+    #: `forward(x, norm=norm)` computes mlp(norm(x)), the norm chunk by chunk at inference (`memory.pre_norm`)
+    fuses_norm = True
 
-    def forward(self, x, hw_shape=None):
-        return recomputed(self, self._forward, x)
+    def forward(self, x, hw_shape=None, norm=None):
+        if norm is not None and not inference(self):
+            x, norm = norm(x), None
+        return recomputed(self, self._forward, x, norm)
 
-    def _forward(self, x):
-        b, n, c = x.shape
+    def _forward(self, x, norm=None):
         piece = self.memory_policy.pieces(self, x, x.numel())
         if piece is None:
+            x = x if norm is None else norm(x)
             return self.drop(self.fc2(self.drop(gelu(self.fc1(x), inference(self)))))
-        # Inference on large maps: the (B, chunk, rC) hidden activation stays in cache instead of a
-        # (B, N, rC) temporary (80-120 MB in stage 1 at 800 x 1344). Rows are independent, so the
-        # values are the same.
-        step = max(1, piece // (b * c))
+        # Inference on large maps: the (chunk, rC) hidden activation (and the pre-norm's output) stays in
+        # cache instead of a (B, N, rC) temporary (80-120 MB in stage 1 at 800 x 1344). Rows are
+        # independent, so the values are the same.
+        c = x.shape[-1]
+        x2 = x.reshape(-1, c)
         out = x.new_empty(x.shape[:-1] + (self.fc2.out_features,))
-        for i in range(0, n, step):
-            out[:, i:i + step] = self.fc2(gelu(self.fc1(x[:, i:i + step]), True))
+        out2 = out.view(-1, out.shape[-1])
+        step = max(1, piece // c)
+        for i in range(0, x2.shape[0], step):
+            t = x2[i:i + step] if norm is None else norm(x2[i:i + step])
+            _linear_into(out2[i:i + step], gelu(self.fc1(t), True), self.fc2.weight, self.fc2.bias)
         return out

@@ -16,7 +16,7 @@ import torch
 import torch.utils.checkpoint as cp
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .memory import recomputes
+from .memory import pre_norm, recomputes
 
 
 @contextlib.contextmanager
@@ -79,5 +79,5 @@ def recomputed_branch(block, norm, module, x, *args, keep_products=False):
     only x (the residual stream, which autograd keeps anyway) is kept, the LayerNorm included in the
     recomputation; with `keep_products` also the outputs of its matrix products (see the module docstring)."""
     def branch(t, *a):
-        return module(norm(t), *a)
+        return pre_norm(norm, module, t, *a)
     return checkpointed(branch, x, *args, enabled=recomputes(block), module=module, keep_products=keep_products)

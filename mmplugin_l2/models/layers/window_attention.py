@@ -91,42 +91,52 @@ class WindowAttention(nn.Module):
 
     #: inference on large maps in bands of window rows (the (B, rows, Wp, C) band is the piece)
     memory_policy = DEFAULT_POLICY
+    #: `forward(x, hw, norm=norm)` computes attn(norm(x), hw), the norm band by band at inference
+    fuses_norm = True
 
-    def _windows_in_bands(self, x, key_mask, piece):
-        """Inference on the padded map x (B, Hp, Wp, C), a band of window rows at a time (the windows are
-        independent, so the values are those of the whole map); returns (B, Hp, Wp, C)."""
-        b, hp, wp, c = x.shape
+    def _windows_in_bands(self, x, padded_shape, key_mask, piece, norm=None):
+        """Inference on the map x (B, H, W, C), a band of window rows at a time, each band normalised
+        (`norm`) and zero-padded to whole windows on its own (the windows are independent, so the values
+        are those of the whole map); returns (B, H, W, C). Neither the norm's output nor the padded map is
+        built whole."""
+        b, h, w, c = x.shape
+        hp, wp = padded_shape
         ws = self.window_size
         rows = max(1, piece // (b * ws * wp * c)) * ws
-        out = torch.empty_like(x)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
         per_row = wp // ws        # windows per window row (per sample)
         for r0 in range(0, hp, rows):
             r1 = min(hp, r0 + rows)
+            e1 = min(h, r1)       # the band's real rows (r0 < h: the padding is less than a window)
+            band = x[:, r0:e1] if norm is None else norm(x[:, r0:e1])
+            if e1 < r1 or wp > w:
+                band = F.pad(band, (0, 0, 0, wp - w, 0, r1 - e1))
             mask = None
             if key_mask is not None:
                 mask = key_mask.view(b, hp // ws, per_row, -1)[:, r0 // ws:r1 // ws].reshape(-1, ws * ws)
-            y = self.attention(window_partition(x[:, r0:r1], ws), mask)
-            out[:, r0:r1] = window_reverse(y, ws, r1 - r0, wp)
+            y = self.attention(window_partition(band, ws), mask)
+            out[:, r0:e1] = window_reverse(y, ws, r1 - r0, wp)[:, :e1 - r0, :w]
         return out
 
-    def forward(self, x, hw_shape):
+    def forward(self, x, hw_shape, norm=None):
         b, n, c = x.shape
         h, w = hw_shape
         ws = self.window_size
-        x = x.view(b, h, w, c)
         pad_b, pad_r = (-h) % ws, (-w) % ws
         padded = exporting() or pad_b or pad_r   # exporting: one graph for every size (zero pads are no-ops)
-        if padded:
-            x = F.pad(x, (0, 0, 0, pad_r, 0, pad_b))
         hp, wp = h + pad_b, w + pad_r
         key_mask = None
         if self.mask_padding and padded:
             key_mask = padding_key_mask((h, w), (hp, wp), ws, x.device).repeat(b, 1)
-        piece = self.memory_policy.pieces(self, x, x.numel())
+        piece = self.memory_policy.pieces(self, x, b * hp * wp * c)
         if piece is not None:
-            x = self._windows_in_bands(x, key_mask, piece)
-        else:
-            x = window_reverse(self.attention(window_partition(x, ws), key_mask), ws, hp, wp)
+            return self._windows_in_bands(x.view(b, h, w, c), (hp, wp), key_mask, piece, norm).view(b, n, c)
+        if norm is not None:
+            x = norm(x)
+        x = x.view(b, h, w, c)
+        if padded:
+            x = F.pad(x, (0, 0, 0, pad_r, 0, pad_b))
+        x = window_reverse(self.attention(window_partition(x, ws), key_mask), ws, hp, wp)
         if padded:
             x = x[:, :h, :w, :]
         return x.reshape(b, h * w, c)
