@@ -320,6 +320,31 @@ def test_conv_mlp_function_gradients_and_what_it_keeps(keep_fc1, monkeypatch):
     assert torch.autograd.gradcheck(lambda *t: ConvMlpFunction.apply(t[0], (6, 5), keep_fc1, *t[1:]), params)
 
 
+@pytest.mark.parametrize('hw,max_elems', [((6, 5), 80), ((7, 9), 288), ((7, 9), 1), ((2, 3), 1), ((3, 3), 1)])
+def test_conv_mlp_bands_function_gradients(hw, max_elems):
+    """A recomputing ConvMlp in a training step on a policy device runs `ConvMlpBandsFunction` (bands of
+    1-4 rows with their halo rows, a partial last band): output and gradients as autograd through the plain
+    ops (float64), gradcheck; on other device types (none listed) `ConvMlpFunction`."""
+    from mmplugin_l2.models.layers.mlp import ConvMlpBandsFunction
+    torch.manual_seed(0)
+    m = _random_(ConvMlp(8, 32, recompute=True)).train()
+    x = torch.randn(2, hw[0] * hw[1], 8, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, hw[0] * hw[1], 8, dtype=torch.float64)
+    params = [x] + list(m.parameters())
+    set_memory_policy(m, dict(max_elems=max_elems))
+    y = m(x, hw)
+    assert type(y.grad_fn).__name__ == 'ConvMlpBandsFunctionBackward'
+    set_memory_policy(m, dict(max_elems=max_elems, devices=()))
+    assert type(m(x, hw).grad_fn).__name__ == 'ConvMlpFunctionBackward'
+    m.recompute = False
+    ref = m(x, hw)
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-14)
+    for a, b in zip(torch.autograd.grad(y, params, g), torch.autograd.grad(ref, params, g)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    if hw == (2, 3):   # one-row bands with halo rows above and below; gradcheck is slow on larger maps
+        assert torch.autograd.gradcheck(lambda *t: ConvMlpBandsFunction.apply(t[0], hw, 1, *t[1:]), params)
+
+
 class _NewTensors(torch.utils._python_dispatch.TorchDispatchMode):
     """Records the element count of every tensor an op returns in new memory (not a view of or a write into
     one of its arguments)."""

@@ -17,7 +17,8 @@ EMSA) follows one `MemoryPolicy`, set for a whole backbone by its `memory_policy
   same under `torch.no_grad()`), nor does an eval-mode module while autograd records (Grad-CAM, receptive
   fields): the pieces use in-place kernels that autograd cannot differentiate.
 * **Training pieces** (`train_cache_pieces`): in train mode with autograd recording, on a device type in
-  `devices`, a training function written for pieces (L2ViT's MLP branch, `mlp.NormMlpFunction`) runs its
+  `devices`, a training function written for pieces (L2ViT's MLP branch, `mlp.NormMlpFunction`; H-ViT3's
+  ConvMlp in bands of rows with halo rows, `mlp.ConvMlpBandsFunction`) runs its
   forward and backward in pieces of `max_elems` once the map exceeds `2 * max_elems`: its temporaries stay
   in cache instead of being fresh map-sized tensors (on CPU every page of a fresh large tensor is zeroed by
   the kernel on first touch). What it keeps for backward is unchanged; parameter gradients are sums over

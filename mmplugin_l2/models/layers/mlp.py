@@ -11,7 +11,9 @@ preserved for dropout): ~4 (Mlp) / ~16 (ConvMlp) fewer C-wide tensors per token 
 fc1 (+ conv) in backward. Same values and gradients. ConvMlp without dropout outside autocast runs
 `ConvMlpFunction` instead: it also keeps the fc1 output (`ConvMlp.keep_fc1`, one (B, N, rC) tensor) and its
 backward recomputes only the GELUs and the depth-wise conv, neither fc1 nor fc2 (which whole-MLP
-checkpointing runs again).
+checkpointing runs again). In a training step on a device of the memory policy (CPU by default) it runs
+in bands of rows (`ConvMlpBandsFunction`): only h is a whole (B, N, rC) map in forward, GELU(h), the conv
+output and the second GELU are band-sized temporaries (see `memory.MemoryPolicy.train_cache_pieces`).
 
 `norm_mlp_branch` (L2ViT's recomputed MLP branches): LayerNorm -> Mlp as one autograd function that keeps
 the branch input and the fc1 output for backward and recomputes there only the LayerNorm and the GELU
@@ -46,6 +48,11 @@ class ConvMlp(nn.Module):
 
     def forward(self, x, hw_shape):
         if recomputes(self) and x.requires_grad and _closed_form_applies(self, x):
+            piece = self.memory_policy.train_cache_pieces(x, x.numel()) if self.keep_fc1 else None
+            if piece is not None:
+                rows = max(1, piece // (x.shape[0] * hw_shape[1] * x.shape[-1]))
+                return ConvMlpBandsFunction.apply(x, tuple(hw_shape), rows, self.fc1.weight, self.fc1.bias,
+                                                  self.dwc.weight, self.dwc.bias, self.fc2.weight, self.fc2.bias)
             return ConvMlpFunction.apply(x, tuple(hw_shape), self.keep_fc1, self.fc1.weight, self.fc1.bias,
                                          self.dwc.weight, self.dwc.bias, self.fc2.weight, self.fc2.bias)
         return recomputed(self, self._forward, x, hw_shape)
@@ -200,6 +207,89 @@ class ConvMlpFunction(torch.autograd.Function):
         dx = (dh @ w1).view_as(x) if need[0] else None
         dwc = dwc.contiguous() if dwc is not None else None
         return dx, None, None, dw1, db1, dwc, dbc, dw2, db2
+
+
+class ConvMlpBandsFunction(torch.autograd.Function):
+    """`ConvMlpFunction` with `keep_fc1`, band by band of `rows` map rows (the memory policy's training
+    pieces on CPU, `memory.MemoryPolicy.train_cache_pieces`): fc1 runs on the whole map (its output h is
+    kept), everything after it per band with one halo row above and below for the 3x3 conv, so GELU(h), the
+    conv output, the second GELU and, in backward, their gradients are band-sized temporaries in cache.
+    Backward collects d(GELU1 output) over the bands in one (B, H, W, rC) buffer (a band's conv gradient
+    reaches its halo rows), then runs fc1's backward on the whole map. Same output and input gradient as
+    `ConvMlpFunction` up to rounding; the conv and fc2 parameter gradients are sums over the bands."""
+
+    @staticmethod
+    def forward(ctx, x, hw_shape, rows, w1, b1, wc, bc, w2, b2):
+        b, n, c = x.shape
+        hh, ww = hw_shape
+        h = F.linear(x, w1, b1)
+        hm = h.view(b, hh, ww, -1)
+        y = x.new_empty(b, hh, ww, w2.shape[0])
+        for r0, r1, a0, a1 in _bands(hh, rows):
+            u = F.gelu(hm[:, a0:a1])
+            y[:, r0:r1] = F.linear(F.gelu(_band_conv_residual(u, r0 - a0, r1 - a0, wc, bc)), w2, b2)
+        ctx.hw_shape, ctx.rows = hw_shape, rows
+        ctx.save_for_backward(x, h, w1, b1, wc, bc, w2, b2)
+        return y.view(b, n, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, h, w1, b1, wc, bc, w2, b2 = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        b, n, c = x.shape
+        hh, ww = ctx.hw_shape
+        r = h.shape[-1]
+        hm, gm = h.view(b, hh, ww, r), grad.reshape(b, hh, ww, -1)
+        du = h.new_zeros(b, hh, ww, r)
+        dw2 = torch.zeros_like(w2) if need[7] else None
+        db2 = torch.zeros_like(b2) if b2 is not None and need[8] else None
+        dwc = torch.zeros_like(wc) if need[5] else None
+        dbc = torch.zeros_like(bc) if bc is not None and need[6] else None
+        wcl = wc.to(memory_format=torch.channels_last)
+        for r0, r1, a0, a1 in _bands(hh, ctx.rows):
+            u = F.gelu(hm[:, a0:a1])
+            s = _band_conv_residual(u, r0 - a0, r1 - a0, wc, bc)
+            a = F.gelu(s).view(-1, r)
+            g = gm[:, r0:r1].reshape(-1, gm.shape[-1])
+            if dw2 is not None:
+                dw2.addmm_(g.t(), a)
+            if db2 is not None:
+                db2.add_(g.sum(0))
+            ds = torch.ops.aten.gelu_backward.grad_input(torch.mm(g, w2, out=a).view(s.shape), s,
+                                                         grad_input=a.view(s.shape))
+            gout = u.new_zeros(u.shape)
+            gout[:, r0 - a0:r1 - a0] = ds
+            dub, dwb, dbb = torch.ops.aten.convolution_backward(
+                gout.permute(0, 3, 1, 2), u.permute(0, 3, 1, 2), wcl, [r] if bc is not None else None,
+                [1, 1], [1, 1], [1, 1], False, [0, 0], r, [True, dwc is not None, dbc is not None])
+            du[:, a0:a1] += dub.permute(0, 2, 3, 1)
+            du[:, r0:r1] += ds
+            if dwc is not None:
+                dwc.add_(dwb)
+            if dbc is not None:
+                dbc.add_(dbb)
+        dh = torch.ops.aten.gelu_backward.grad_input(du, hm, grad_input=du).view(-1, r)
+        dw1 = dh.t() @ x.reshape(-1, c) if need[3] else None
+        db1 = dh.sum(0) if b1 is not None and need[4] else None
+        dx = (dh @ w1).view_as(x) if need[0] else None
+        return dx, None, None, dw1, db1, dwc, dbc, dw2, db2
+
+
+def _bands(h, rows):
+    """(r0, r1, a0, a1) per band of `rows` map rows: the band's rows [r0, r1) and, with one halo row on
+    each side where there is one, the rows [a0, a1) its 3x3 conv reads."""
+    for r0 in range(0, h, rows):
+        r1 = min(h, r0 + rows)
+        yield r0, r1, max(0, r0 - 1), min(h, r1 + 1)
+
+
+def _band_conv_residual(u, i0, i1, wc, bc):
+    """u + DWConv3x3(u) on the rows [i0, i1) of a band u (B, rows, W, rC) (channels-last): the conv of the
+    whole band (its zero padding is the map's border only at the map's top and bottom; the band's first
+    and last rows are halo rows where they are not) cut to the rows it has both neighbours for."""
+    cv = F.conv2d(u.permute(0, 3, 1, 2), wc.to(memory_format=torch.channels_last), bc, padding=1,
+                  groups=u.shape[-1]).permute(0, 2, 3, 1)
+    return cv[:, i0:i1].add(u[:, i0:i1])
 
 
 def _conv_residual(u, hw_shape, wc, bc):
