@@ -289,3 +289,18 @@ def test_roofline_layers_partition_the_model_and_account_for_its_macs():
     assert rl.peak_matmul(n=256, iters=2) > 1e6 and rl.peak_bandwidth(mbytes=8, iters=2) > 1e6
     assert rl.layer_group('layers.2.blocks.0.attn', torch.nn.Linear(1, 1)) == 'stage 3 / Linear'
     assert rl.layer_group('patch_embed', torch.nn.Linear(1, 1)) == '- / Linear'
+
+
+def test_roofline_times_a_layer_run_inside_another_once():
+    """With pieces forced, L2ViT's pre-norms run inside the attention / MLP pieces (`layers.memory.pre_norm`):
+    their time is counted as the outer layer's, never twice, so the layers' seconds stay within the forward's."""
+    from conftest import TINY_L2VIT
+    from mmplugin_l2.analysis import roofline as rl
+    from mmplugin_l2.models.backbones import L2ViT
+    import torch
+    model = L2ViT(arch=TINY_L2VIT, memory_policy=dict(max_elems=64))
+    prof = rl.profile_layers(model, torch.randn(1, 3, 64, 96))
+    in_layers = sum(s['seconds'] for g, s in prof['layers'].items() if g != 'other')
+    assert in_layers <= prof['seconds']
+    norms = [s for g, s in prof['layers'].items() if g.endswith('/ LayerNorm')]
+    assert norms and all(s['calls'] > 0 for s in norms)

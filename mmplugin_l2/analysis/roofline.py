@@ -101,6 +101,8 @@ def profile_layers(model, x):
     named = layers(model)
     flops, by_module = _flops(model, x)
     stats, hooks = {}, []
+    active = [0]   # timed modules running now: one called inside another (a pre-norm run inside the
+    # attention's pieces, `layers.memory.pre_norm`) is timed as part of the outer one, not twice
     for name, mod in named:
         g = layer_group(name, mod)
         s = stats.setdefault(g, dict(macs=0, seconds=0., bytes=0, calls=0, modules=0))
@@ -109,11 +111,15 @@ def profile_layers(model, x):
         pbytes = sum(p.numel() * p.element_size() for p in mod.parameters())
 
         def pre(m, args, g=g):
+            m._rl_nested = active[0] > 0
+            active[0] += 1
             m._rl_t = time.perf_counter()
 
         def post(m, args, out, g=g, pbytes=pbytes):
+            active[0] -= 1
             st = stats[g]
-            st['seconds'] += time.perf_counter() - m._rl_t
+            if not m._rl_nested:
+                st['seconds'] += time.perf_counter() - m._rl_t
             st['bytes'] += _nbytes(args) + _nbytes(out) + pbytes
             st['calls'] += 1
         hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]

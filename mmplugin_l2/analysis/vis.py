@@ -74,11 +74,15 @@ def _lcm_of(block):
 
 def capture(backbone, names, x):
     """Run backbone(x) without gradients and return {name: dict(args=..., kwargs=..., out=...)} for the
-    named modules (their forward inputs and output)."""
+    named modules (their forward inputs and output). A module that got its pre-norm to run inside its pieces
+    (`norm=`, `layers.memory.pre_norm`) is recorded with the normalised input, as if called on norm(x)."""
     mods = dict(backbone.named_modules())
     seen, handles = {}, []
     for n in names:
         def pre(m, args, kwargs, n=n):
+            if kwargs.get('norm') is not None:
+                args = (kwargs['norm'](args[0]),) + tuple(args[1:])
+                kwargs = {k: v for k, v in kwargs.items() if k != 'norm'}
             seen.setdefault(n, {})['args'] = args
             seen[n]['kwargs'] = kwargs
 
