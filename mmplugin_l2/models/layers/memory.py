@@ -72,14 +72,12 @@ class MemoryPolicy:
 
     def pieces(self, module, x, whole_elems):
         """Elements per piece for `module`'s inference on `x`, or None for the whole map."""
-        if self.max_elems is None or whole_elems <= 2 * self.max_elems or x.device.type not in self.devices:
-            return None
-        return self.max_elems if inference(module) else None
+        return self.train_cache_pieces(x, whole_elems) if inference(module) else None
 
     def train_cache_pieces(self, x, whole_elems):
         """Elements per piece of a training function that runs in pieces to keep its temporaries in cache
-        (`mlp.NormMlpFunction`) on `x`'s device, or None for the whole map: as `pieces`, but in train mode
-        with autograd recording (the caller decides that it is in training)."""
+        (`mlp.NormMlpFunction`) on `x`'s device, or None for the whole map: the rule of `pieces` without its
+        inference condition (the caller decides that it is in training)."""
         if self.max_elems is None or whole_elems <= 2 * self.max_elems or x.device.type not in self.devices:
             return None
         return self.max_elems

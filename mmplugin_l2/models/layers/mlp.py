@@ -225,9 +225,10 @@ class ConvMlpBandsFunction(torch.autograd.Function):
         h = F.linear(x, w1, b1)
         hm = h.view(b, hh, ww, -1)
         y = x.new_empty(b, hh, ww, w2.shape[0])
+        wcl = wc.to(memory_format=torch.channels_last)
         for r0, r1, a0, a1 in _bands(hh, rows):
             u = F.gelu(hm[:, a0:a1])
-            y[:, r0:r1] = F.linear(F.gelu(_band_conv_residual(u, r0 - a0, r1 - a0, wc, bc)), w2, b2)
+            y[:, r0:r1] = F.linear(F.gelu(_band_conv_residual(u, r0 - a0, r1 - a0, wcl, bc)), w2, b2)
         ctx.hw_shape, ctx.rows = hw_shape, rows
         ctx.save_for_backward(x, h, w1, b1, wc, bc, w2, b2)
         return y.view(b, n, -1)
@@ -248,7 +249,7 @@ class ConvMlpBandsFunction(torch.autograd.Function):
         wcl = wc.to(memory_format=torch.channels_last)
         for r0, r1, a0, a1 in _bands(hh, ctx.rows):
             u = F.gelu(hm[:, a0:a1])
-            s = _band_conv_residual(u, r0 - a0, r1 - a0, wc, bc)
+            s = _band_conv_residual(u, r0 - a0, r1 - a0, wcl, bc)
             a = F.gelu(s).view(-1, r)
             g = gm[:, r0:r1].reshape(-1, gm.shape[-1])
             if dw2 is not None:
@@ -283,12 +284,12 @@ def _bands(h, rows):
         yield r0, r1, max(0, r0 - 1), min(h, r1 + 1)
 
 
-def _band_conv_residual(u, i0, i1, wc, bc):
-    """u + DWConv3x3(u) on the rows [i0, i1) of a band u (B, rows, W, rC) (channels-last): the conv of the
-    whole band (its zero padding is the map's border only at the map's top and bottom; the band's first
-    and last rows are halo rows where they are not) cut to the rows it has both neighbours for."""
-    cv = F.conv2d(u.permute(0, 3, 1, 2), wc.to(memory_format=torch.channels_last), bc, padding=1,
-                  groups=u.shape[-1]).permute(0, 2, 3, 1)
+def _band_conv_residual(u, i0, i1, wcl, bc):
+    """u + DWConv3x3(u) on the rows [i0, i1) of a band u (B, rows, W, rC) (channels-last; `wcl` the conv
+    weight in channels-last format): the conv of the whole band (its zero padding is the map's border only
+    at the map's top and bottom; the band's first and last rows are halo rows where they are not) cut to
+    the rows it has both neighbours for."""
+    cv = F.conv2d(u.permute(0, 3, 1, 2), wcl, bc, padding=1, groups=u.shape[-1]).permute(0, 2, 3, 1)
     return cv[:, i0:i1].add(u[:, i0:i1])
 
 
