@@ -187,13 +187,17 @@ def test_lcm_and_cpe_in_place():
     close(*paths(c, (x, (9, 11)), 10 ** 9, expect_pieces=False))
 
 
+@pytest.mark.parametrize('rows', [None, 1, 5])
 @pytest.mark.parametrize('heads,sr', [(1, 4), (3, 2), (4, 1)])
-def test_emsa_in_place_dense_inference(heads, sr):
-    """EMSA's inference (in-place deviation / IN steps) = the autograd path, with and without head
-    mixing + instance norm, odd map sizes."""
+def test_emsa_inference(heads, sr, rows):
+    """EMSA's inference = the autograd path, with and without head mixing + instance norm, odd map sizes:
+    dense (in-place deviation / IN steps) and in query blocks of 1 and 5 rows (63 queries: a partial last
+    block; one pass, the IN scale applied to the output at the end)."""
     m = _random_(EMSA(12 * heads, heads, sr, qkv_bias=True))
     x = torch.randn(2, 9 * 7, 12 * heads, dtype=torch.float64)
-    close(*paths(m, (x, (9, 7)), 10 ** 9, expect_pieces=False))
+    n_keys = -(-9 // sr) * -(-7 // sr)
+    max_elems = 10 ** 9 if rows is None else rows * 2 * heads * n_keys
+    close(*paths(m, (x, (9, 7)), max_elems, expect_pieces=rows is not None))
 
 
 # ---- whole backbones in eval mode --------------------------------------------------------------

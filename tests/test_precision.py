@@ -63,6 +63,28 @@ def test_rest_chunked_training_path_is_well_conditioned():
             assert ((g.double() - gr).abs().max() / gr.abs().max()).item() < 1e-4, (chunk, name)
 
 
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
+def test_rest_inference_pieces_are_well_conditioned(dtype):
+    """The inference blocks (one pass in fp32, two in half precision: the map is scaled before its cast)
+    against float64 on near-uniform maps, no worse than the dense path in the same dtype."""
+    torch.manual_seed(0)
+    b, h, n, nk, d = 2, 4, 300, 75, 16
+    q, k, v = (t.to(dtype) for t in (torch.randn(b, h, n, d) * 0.05, torch.randn(b, h, nk, d) * 0.05 + 1.0,
+                                     torch.randn(b, h, nk, d)))
+    conv = torch.nn.Conv2d(h, h, 1).to(dtype)
+    conv64 = torch.nn.Conv2d(h, h, 1).double()
+    conv64.load_state_dict(conv.state_dict())
+    with torch.no_grad():  # the reference from the same (rounded) inputs: the error is the layer's own
+        ref = emsa_attention(q.double(), k.double(), v.double(), d ** -0.5, conv64, piece=None)
+        errs = {}
+        for chunk in (None, b * h * nk * 7, 1):
+            out = emsa_attention(q, k, v, d ** -0.5, conv, piece=chunk)
+            assert out.dtype == dtype
+            errs[chunk] = ((out.double() - ref).norm() / ref.norm()).item()
+    assert max(errs.values()) <= 2 * torch.finfo(dtype).eps, errs  # the rounding of the dtype
+    assert max(errs.values()) <= 1.5 * errs[None] + 1e-7, errs
+
+
 def test_rest_head_mixing_bias_gets_a_zero_gradient():
     """The softmax ignores the conv bias (a constant over the keys): its true gradient is zero, and it
     stays in the graph (DDP without find_unused_parameters needs every parameter to get a gradient)."""

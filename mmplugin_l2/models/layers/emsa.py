@@ -44,14 +44,17 @@ autograd recording; `memory.MemoryPolicy.train_pieces`), `emsa_attention` switch
 `ChunkedEMSAAttention`. That path runs over blocks of queries and keeps only q, k, v, the output and one
 scalar per (image, head), and the backward pass recomputes the maps block by block. The rows of G are
 independent, so only the IN scale needs all queries:
-* Forward: a first pass accumulates sum(G^2) for each (image, head); a second pass recomputes each block
-  and applies the full-map scale r = (mean(G^2) + eps N'^2)^-1/2.
+* Forward (`blocked_emsa_attention`): one pass accumulates sum(G^2) for each (image, head) and the unscaled
+  products G @ v; the full-map scale r = (mean(G^2) + eps N'^2)^-1/2 then multiplies the output (A @ v is
+  linear in A and r is one number per map).
 * Backward: dG = r (dA - A mean(dA * A)), and the full-map mean comes without another pass:
   sum(dA * A) = sum(dout * out).
 Both paths compute the same function and differ only by float rounding (see tests/test_rest.py).
-Inference (no autograd) takes the dense path with in-place elementwise steps: nothing is kept there, and the
-transient maps of one block are small next to a training step's saved tensors. (The instance norm needs the
-whole map's statistics, so inference pieces would cost a second pass over the logits.)
+Inference (eval mode, no autograd, on the policy's devices; `memory.MemoryPolicy.pieces`) runs
+`blocked_emsa_attention` over the same blocks, its elementwise steps in place: a block's map stays in cache
+instead of going through memory once per elementwise step. In half precision the forward takes two passes
+(the map is scaled before its cast to the half dtype). Without pieces (e.g. on CUDA by default) inference
+takes the dense path, also in place.
 """
 import torch
 import torch.nn as nn
@@ -92,8 +95,10 @@ def _logits(q, kc, scale, weight):
         s = s.to(cdt)
         return s * scale if records else s.mul_(scale)
     w = weight[:, :, 0, 0].to(cdt) * scale
-    # einsum over the head dim: the same sums as the 1x1 conv, several times faster on CPU for 2-8 heads
-    return torch.einsum('gh,bhnm->bgnm', w, s.to(cdt))
+    # (B, h, h) @ (B, h, n * N'): the sums of the 1x1 conv, on the map's memory as it lies (no layout copy;
+    # w expanded over the batch so that the FLOP counter's matmul rule counts every image)
+    s = s.to(cdt)
+    return torch.matmul(w.expand(s.shape[0], -1, -1), s.flatten(2)).view_as(s)
 
 
 def softmax_map(q, kc, scale):
@@ -157,6 +162,40 @@ def naive_emsa_attention(q, k, v, scale, transform_conv=None, eps=1e-5, attn_dro
         return _apply(g, v, r)
 
 
+def _blocks(n, rows):
+    return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
+
+
+def blocked_emsa_attention(q, kc, v, weight, scale, eps, blocks):
+    """A @ v over the query `blocks` (slices of N), without autograd: the forward of `ChunkedEMSAAttention`
+    and the inference pieces. q (B, h, N, d), centred keys kc and v (B, h, N', d), `weight` (h, h, 1, 1) of
+    the head-mixing conv or None (single head). Returns the output (B, h, N, d) in v's dtype and the IN scale
+    r (B, h, 1, 1) in the compute dtype (None for a single head).
+
+    One pass when the map's compute dtype is v's (fp32 / fp64): r is applied to the output at the end. In
+    half precision a first pass accumulates sum(G^2), a second applies r to each block before its cast."""
+    n, n_keys = q.shape[2], kc.shape[2]
+    out = v.new_empty(q.shape[:3] + v.shape[3:])
+    with autocast_off(q.device.type):
+        if weight is None:
+            for b in blocks:
+                out[:, :, b] = _apply(softmax_map(q[:, :, b], kc, scale), v)
+            return out, None
+        one_pass = compute_dtype(v) == v.dtype
+        sum_sq = 0
+        for b in blocks:
+            g = deviation_map(q[:, :, b], kc, scale, weight)
+            sum_sq = sum_sq + _sum_sq(g)
+            if one_pass:
+                out[:, :, b] = g @ v
+        r = _in_scale(sum_sq, n * n_keys, n_keys, eps)
+        if one_pass:
+            return out.mul_(r.to(out.dtype)), r
+        for b in blocks:
+            out[:, :, b] = _apply(deviation_map(q[:, :, b], kc, scale, weight), v, r)
+    return out, r
+
+
 class ChunkedEMSAAttention(torch.autograd.Function):
     """A @ v of EMSA, computed over blocks of `rows` queries and recomputed in backward.
 
@@ -167,17 +206,8 @@ class ChunkedEMSAAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, kc, v, weight, scale, eps, rows):
-        n, n_keys = q.shape[2], kc.shape[2]
-        blocks = [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
-        r = None
-        with autocast_off(q.device.type):
-            if weight is None:
-                out = torch.cat([_apply(softmax_map(q[:, :, b], kc, scale), v) for b in blocks], dim=2)
-            else:
-                sum_sq = sum(_sum_sq(deviation_map(q[:, :, b], kc, scale, weight)) for b in blocks)
-                r = _in_scale(sum_sq, n * n_keys, n_keys, eps)
-                out = torch.cat([_apply(deviation_map(q[:, :, b], kc, scale, weight), v, r) for b in blocks],
-                                dim=2)
+        blocks = _blocks(q.shape[2], rows)
+        out, r = blocked_emsa_attention(q, kc, v, weight, scale, eps, blocks)
         ctx.blocks, ctx.scale = blocks, scale
         ctx.save_for_backward(q, kc, v, weight, out, r)
         return out
@@ -234,17 +264,19 @@ class ChunkedEMSAAttention(torch.autograd.Function):
 def emsa_attention(q, k, v, scale, transform_conv=None, eps=1e-5, piece=None):
     """A @ v for q (B, h, N, d), k, v (B, h, N', d).
 
-    With `piece` (entries of the map per block) and autograd recording, this is `ChunkedEMSAAttention`
-    with query blocks of at most that many entries. Otherwise it is the dense path; without autograd
-    nothing is kept for backward, so the dense maps are only transient."""
+    With `piece` (entries of the map per block of queries): `ChunkedEMSAAttention` while autograd records,
+    else `blocked_emsa_attention` (one pass over the blocks, nothing kept). Without `piece` it is the dense
+    path."""
     b, h, n, _ = q.shape
     n_keys = k.shape[2]
-    records = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if piece is None or not records:
+    if piece is None:
         return naive_emsa_attention(q, k, v, scale, transform_conv, eps)
     rows = max(1, piece // (b * h * n_keys))
     weight = transform_conv.weight if transform_conv is not None else None
-    kc = centred_keys(k, transform_conv.bias if transform_conv is not None else None)
+    records = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, weight) if t is not None)
+    kc = centred_keys(k, transform_conv.bias if transform_conv is not None and records else None)
+    if not records:
+        return blocked_emsa_attention(q, kc, v, weight, scale, eps, _blocks(n, rows))[0]
     return ChunkedEMSAAttention.apply(q, kc, v, weight, scale, eps, rows)
 
 
@@ -300,6 +332,10 @@ class EMSA(nn.Module):
         if self.attn_drop.p > 0 and self.training:  # a random mask cannot be recomputed: dense path
             out = naive_emsa_attention(q, k, v, self.scale, conv, eps, self.attn_drop)
         else:
-            piece = self.memory_policy.train_pieces(b * h * n * k.shape[2]) if recomputes(self) else None
+            n_map = b * h * n * k.shape[2]
+            if recomputes(self):
+                piece = self.memory_policy.train_pieces(n_map)
+            else:
+                piece = self.memory_policy.pieces(self, x, n_map)
             out = emsa_attention(q, k, v, self.scale, conv, eps, piece)
         return self.proj_drop(self.proj(out.transpose(1, 2).reshape(b, n, c)))
