@@ -175,6 +175,7 @@ def blocked_emsa_attention(q, kc, v, weight, scale, eps, blocks):
     One pass when the map's compute dtype is v's (fp32 / fp64): r is applied to the output at the end. In
     half precision a first pass accumulates sum(G^2), a second applies r to each block before its cast."""
     n, n_keys = q.shape[2], kc.shape[2]
+    kc, v = kc.contiguous(), v.contiguous()  # once, not a copy of k and v in every block's matmul
     out = v.new_empty(q.shape[:3] + v.shape[3:])
     with autocast_off(q.device.type):
         if weight is None:
@@ -218,7 +219,7 @@ class ChunkedEMSAAttention(torch.autograd.Function):
         need_q, need_k, need_v, need_w = ctx.needs_input_grad[:4]
         cdt = compute_dtype(q)
         dout = dout.contiguous()
-        vc = v.to(cdt)
+        vc = v.to(cdt).contiguous()
         dq = [] if need_q else None
         dk = torch.zeros_like(kc, dtype=cdt) if need_k else None
         dv = torch.zeros_like(v, dtype=cdt) if need_v else None
@@ -227,7 +228,7 @@ class ChunkedEMSAAttention(torch.autograd.Function):
             # IN backward: dG = r (dA - A mean(dA * A)), with sum(dA * A) = sum(dout * out)
             count = q.shape[2] * kc.shape[2]
             mean_daa = ((dout.to(cdt) * out.to(cdt)).sum(dim=(2, 3)) / count)[..., None, None]
-        kd = kc.detach().requires_grad_(need_k)
+        kd = kc.detach().contiguous().requires_grad_(need_k)
         wd = weight.detach().requires_grad_(need_w) if weight is not None else None
         with autocast_off(q.device.type):
             for b in ctx.blocks:
