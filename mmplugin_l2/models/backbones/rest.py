@@ -18,9 +18,9 @@ Differences from the authors' code, each one documented here:
   them in the main path, so the normalised map also feeds the next stage, and a stage's features then depend
   on which earlier stages are returned (Mask R-CNN and RetinaNet differ). `norm_in_path=True` reproduces it.
   Either way the stage-4 norm `norm3` takes the pretrained final `norm`.
-* Attention memory. In training, large attention maps are processed in query chunks, with recomputation in
-  backward and exact full-map instance-norm statistics (`layers/emsa.py`; `recompute`, chunk size from
-  `memory_policy`).
+* Training memory (`recompute`). Large attention maps are processed in query chunks, with recomputation in
+  backward and exact full-map instance-norm statistics (`layers/emsa.py`, chunk size from `memory_policy`);
+  the MLP branch keeps its input and fc1 output and recomputes LayerNorm and GELU (`mlp.NormMlpFunction`).
 * `frozen_stages`, `norm_eval`, `with_cp` follow OpenMMLab conventions. The authors' FREEZE_AT >= 1 raises.
 """
 import re
@@ -32,6 +32,7 @@ from mmengine.registry import MODELS
 
 from ..layers import EMSA, Mlp, ResTPatchEmbed, ResTStem, add_residual, map_to_tokens, tokens_to_map
 from ..layers.export import stage_boundary
+from ..layers.mlp import norm_mlp_branch
 from ..pyramid import PyramidBackbone, resolve_arch
 
 
@@ -59,11 +60,15 @@ class ResTBlock(nn.Module):
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
+        self.recompute = recompute
 
     def forward(self, x, hw_shape):
         # add_residual: into the branch output at inference, out of place in training
         x = add_residual(self.drop_path(self.attn(self.norm1(x), hw_shape)), x)
-        return add_residual(self.drop_path(self.mlp(self.norm2(x))), x)
+        # with `recompute`, the MLP branch keeps x and the fc1 output and recomputes LN and GELU in
+        # backward (`mlp.NormMlpFunction`, in cache-sized pieces on CPU); at inference LN runs in the pieces
+        mlp = norm_mlp_branch(self, self.norm2, self.mlp, x, recompute_otherwise=False)
+        return add_residual(self.drop_path(mlp), x)
 
 
 class ResTStage(nn.Module):
@@ -104,7 +109,8 @@ class ResT(PyramidBackbone):
             detectron2 backbone. Use True to reproduce their detectors exactly, e.g. with their d2 weights.
         recompute (bool): in training, attention maps of more than twice the memory policy's `max_elems`
             entries are computed in query chunks of that size, recomputed in backward (same values, far
-            less memory). False: always dense. Default: True.
+            less memory), and the MLP branches recompute LayerNorm and GELU in backward. False: dense maps,
+            plain autograd. Default: True.
         memory_policy (dict | None): how large a map a layer builds at once: dict(max_elems, devices), see
             `layers/memory.py` (pieces of about `max_elems` elements at inference on the `devices` once a
             map has twice that; None: whole maps). Default: dict(max_elems=2**20, devices=('cpu',)).

@@ -15,7 +15,7 @@ checkpointing runs again). In a training step on a device of the memory policy (
 in bands of rows (`ConvMlpBandsFunction`): only h is a whole (B, N, rC) map in forward, GELU(h), the conv
 output and the second GELU are band-sized temporaries (see `memory.MemoryPolicy.train_cache_pieces`).
 
-`norm_mlp_branch` (L2ViT's recomputed MLP branches): LayerNorm -> Mlp as one autograd function that keeps
+`norm_mlp_branch` (the MLP branches of L2ViT and ResT): LayerNorm -> Mlp as one autograd function that keeps
 the branch input and the fc1 output for backward and recomputes there only the LayerNorm and the GELU
 (elementwise), not fc1: one matrix product and two (B, N, rC) temporaries fewer per block and step than
 recomputing the whole branch, for one kept (B, N, rC) tensor. Same values; gradients those of autograd on
@@ -308,10 +308,11 @@ def _closed_form_applies(mlp, x):
             and not autocast_on(x.device.type))
 
 
-def norm_mlp_branch(block, norm, mlp, x):
+def norm_mlp_branch(block, norm, mlp, x, recompute_otherwise=True):
     """The pre-norm MLP branch mlp(norm(x)) of `block`. When the block recomputes (`memory.recomputes`):
     `NormMlpFunction` for a LayerNorm and an `Mlp` without dropout outside autocast (see the module
-    docstring), otherwise the whole branch recomputed in backward (`recompute.recomputed_branch`)."""
+    docstring), otherwise the whole branch recomputed in backward (`recompute.recomputed_branch`; with
+    `recompute_otherwise=False` plain autograd instead, as ResT's blocks had before)."""
     if not recomputes(block):
         return pre_norm(norm, mlp, x)
     if (isinstance(norm, nn.LayerNorm) and norm.elementwise_affine and isinstance(mlp, Mlp)
@@ -319,7 +320,7 @@ def norm_mlp_branch(block, norm, mlp, x):
         piece = mlp.memory_policy.train_cache_pieces(x, x.numel())
         return NormMlpFunction.apply(x, norm.weight, norm.bias, norm.eps, mlp.fc1.weight, mlp.fc1.bias,
                                      mlp.fc2.weight, mlp.fc2.bias, None if piece is None else piece // x.shape[-1])
-    return recomputed_branch(block, norm, mlp, x)
+    return recomputed_branch(block, norm, mlp, x) if recompute_otherwise else mlp(norm(x))
 
 
 class Mlp(nn.Module):
