@@ -169,13 +169,13 @@ def _blocks(n, rows):
 def blocked_emsa_attention(q, kc, v, weight, scale, eps, blocks):
     """A @ v over the query `blocks` (slices of N), without autograd: the forward of `ChunkedEMSAAttention`
     and the inference pieces. q (B, h, N, d), centred keys kc and v (B, h, N', d), `weight` (h, h, 1, 1) of
-    the head-mixing conv or None (single head). Returns the output (B, h, N, d) in v's dtype and the IN scale
-    r (B, h, 1, 1) in the compute dtype (None for a single head).
+    the head-mixing conv or None (single head); kc and v contiguous (`emsa_attention` makes them so: a strided
+    view would be copied in every block's matmul). Returns the output (B, h, N, d) in v's dtype and the IN
+    scale r (B, h, 1, 1) in the compute dtype (None for a single head).
 
     One pass when the map's compute dtype is v's (fp32 / fp64): r is applied to the output at the end. In
     half precision a first pass accumulates sum(G^2), a second applies r to each block before its cast."""
     n, n_keys = q.shape[2], kc.shape[2]
-    kc, v = kc.contiguous(), v.contiguous()  # once, not a copy of k and v in every block's matmul
     out = v.new_empty(q.shape[:3] + v.shape[3:])
     with autocast_off(q.device.type):
         if weight is None:
@@ -219,7 +219,7 @@ class ChunkedEMSAAttention(torch.autograd.Function):
         need_q, need_k, need_v, need_w = ctx.needs_input_grad[:4]
         cdt = compute_dtype(q)
         dout = dout.contiguous()
-        vc = v.to(cdt).contiguous()
+        vc = v.to(cdt)
         dq = [] if need_q else None
         dk = torch.zeros_like(kc, dtype=cdt) if need_k else None
         dv = torch.zeros_like(v, dtype=cdt) if need_v else None
@@ -228,7 +228,7 @@ class ChunkedEMSAAttention(torch.autograd.Function):
             # IN backward: dG = r (dA - A mean(dA * A)), with sum(dA * A) = sum(dout * out)
             count = q.shape[2] * kc.shape[2]
             mean_daa = ((dout.to(cdt) * out.to(cdt)).sum(dim=(2, 3)) / count)[..., None, None]
-        kd = kc.detach().contiguous().requires_grad_(need_k)
+        kd = kc.detach().requires_grad_(need_k)
         wd = weight.detach().requires_grad_(need_w) if weight is not None else None
         with autocast_off(q.device.type):
             for b in ctx.blocks:
@@ -276,6 +276,8 @@ def emsa_attention(q, k, v, scale, transform_conv=None, eps=1e-5, piece=None):
     weight = transform_conv.weight if transform_conv is not None else None
     records = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, weight) if t is not None)
     kc = centred_keys(k, transform_conv.bias if transform_conv is not None and records else None)
+    # contiguous once here (also what the training function keeps), not copied in every block's matmul
+    kc, v = kc.contiguous(), v.contiguous()
     if not records:
         return blocked_emsa_attention(q, kc, v, weight, scale, eps, _blocks(n, rows))[0]
     return ChunkedEMSAAttention.apply(q, kc, v, weight, scale, eps, rows)
