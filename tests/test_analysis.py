@@ -39,6 +39,25 @@ def test_flops_of_a_small_conv_model_equal_hand_count(tmp_path):
     assert '416,520 multiply-adds' in r.stdout
 
 
+def test_flops_count_the_model_not_its_row_bands():
+    """The FLOPs counter traces whole maps: a policy that forces one-row bands (whose halo rows are
+    recomputed) gives the same count as no pieces, and the policies are back in place afterwards."""
+    from conftest import TINY_HVIT3, TINY_L2VIT
+    from mmplugin_l2.analysis.flops import count_flops
+    from mmplugin_l2.models.backbones import HViT3, L2ViT
+    from mmplugin_l2.models.layers import MemoryPolicy, set_memory_policy
+    import torch
+    x = torch.randn(1, 3, 64, 96)
+    for model in (HViT3(arch=TINY_HVIT3).eval(), L2ViT(arch=TINY_L2VIT).eval()):
+        counts = []
+        for policy in (MemoryPolicy(max_elems=1), None):
+            policy = set_memory_policy(model, policy)
+            with torch.no_grad():
+                counts.append(count_flops(model, (x,)))
+            assert all(m.memory_policy is policy for m in model.modules() if hasattr(m, 'memory_policy'))
+        assert counts[0] == counts[1] > 0
+
+
 def test_hvit3_t_classifier_flops_match_the_paper(tmp_path):
     """Paper / authors' fvcore count for H-ViT3-T at 224x224: 4.90 GMACs (4.903 without norms)."""
     out = tmp_path / 'f.json'

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from conftest import assert_pyramid_shapes, assert_with_cp_matches, TINY_HVIT3, nbytes, saved_for_backward
 from mmplugin_l2 import HViT3, ViT3
-from mmplugin_l2.models.layers import (TTTAttention, apply_rope, dwconv_inner_grad, rope_tables,
+from mmplugin_l2.models.layers import (TTTAttention, apply_rope, dwconv_inner_grad, rope_tables, set_memory_policy,
                                        swiglu_inner_grads)
 
 
@@ -164,13 +164,17 @@ def _ttt_layer_and_input(recompute, dtype=torch.float64, dim=16, heads=2):
 
 @pytest.mark.parametrize('dim,heads', [(16, 2), (12, 4)])   # head width 8, and 3 (RoPE pairs across heads)
 @pytest.mark.parametrize('with_rope', [True, False])
-def test_ttt_recompute_function_gives_autograd_gradients(dim, heads, with_rope):
-    """TTTCore (saves qkv; closed-form backward through the recomputed inner models) = plain autograd
-    through ttt_core, float64: the output, and the gradients of the input, qkv/proj weights and the
-    three inner-model initial weights."""
+@pytest.mark.parametrize('rows', [None, 7])
+def test_ttt_recompute_function_gives_autograd_gradients(dim, heads, with_rope, rows):
+    """TTTCore (saves qkv; closed-form backward through the recomputed inner models, on whole maps and in
+    the memory policy's training pieces: blocks of 7 tokens, a partial last one) = plain autograd through
+    ttt_core, float64: the output, and the gradients of the input, qkv/proj weights and the three
+    inner-model initial weights."""
     results = []
     for recompute in (True, False):
         layer, x = _ttt_layer_and_input(recompute, dim=dim, heads=heads)
+        policy = set_memory_policy(layer, None if rows is None else dict(max_elems=2 * rows * dim))
+        assert (policy.train_cache_pieces(x, x.numel()) is None) == (rows is None)
         rot = rope_tables(5, 6, dim) if with_rope else None
         y = layer(x, (5, 6), rot)
         (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
@@ -192,8 +196,9 @@ def test_ttt_closed_form_backward_passes_gradcheck():
     ws = [(torch.randn(*s, dtype=torch.float64) * .3).requires_grad_()
           for s in ((1, nh, d, d), (1, nh, d, d), (d, 1, 3, 3))]
     rot = rope_tables(h, w, c)
-    assert torch.autograd.gradcheck(
-        lambda q, w1, w2, w3: TTTCore.apply(q, rot, w1, w2, w3, (h, w), nh, 1 / 3, 1.0), (qkv, *ws))
+    for piece in (None, 2 * 3 * c):        # whole maps; blocks of 3 tokens
+        assert torch.autograd.gradcheck(
+            lambda q, w1, w2, w3: TTTCore.apply(q, rot, w1, w2, w3, (h, w), nh, 1 / 3, 1.0, piece), (qkv, *ws))
 
 
 def test_ttt_recompute_keeps_fewer_tensors_for_backward():

@@ -83,6 +83,17 @@ def test_conv_mlp_row_bands(hw):
     close(*paths(m, (x, hw), max_elems=2 * 2 * hw[1] * 8))
 
 
+@pytest.mark.parametrize('hw', [(13, 7), (40, 3), (5, 50), (2, 9)])
+@pytest.mark.parametrize('rows', [1, 4])
+def test_lcm_row_bands(hw, rows):
+    """LCM (7x7 depth-wise conv, GELU, BN, 7x7 depth-wise conv) in bands of 1 and 4 output rows: halo rows of
+    both convolutions recomputed, zero rows only at the map's own top / bottom (maps shorter than the halo
+    too), a partial last band, BN with non-trivial statistics."""
+    m = _random_(LCM(8))
+    x = torch.randn(2, hw[0] * hw[1], 8, dtype=torch.float64)
+    close(*paths(m, (x, hw), max_elems=2 * rows * hw[1] * 8, expect_pieces=hw[0] > 2 * rows))
+
+
 @pytest.mark.parametrize('with_rope', [True, False])
 @pytest.mark.parametrize('max_elems', [2 * 64 * 7, 2 * 64 * 30, None])
 def test_ttt_fused_inference(with_rope, max_elems):
@@ -160,10 +171,12 @@ class _PreNorm(nn.Module):
 
 
 @pytest.mark.parametrize('module,hw', [(Mlp(32, 64), ()), (LinearAttention(32, 2), ()),
-                                       (WindowAttention(32, 2, 7), ((20, 33),)), (WindowAttention(32, 2, 7), ((5, 9),))])
+                                       (WindowAttention(32, 2, 7), ((20, 33),)), (WindowAttention(32, 2, 7), ((5, 9),)),
+                                       (LCM(32), ((20, 33),))])
 def test_pre_norm_in_the_pieces(module, hw):
     """`memory.pre_norm`: at inference the LayerNorm runs piece by piece inside the module (Mlp chunks,
-    linear-attention chunks in both passes, window-attention bands before their padding) = module(norm(x))."""
+    linear-attention chunks, window-attention bands before their padding, LCM row bands before the halo's
+    zero rows) = module(norm(x))."""
     m = _random_(_PreNorm(module))
     n = hw[0][0] * hw[0][1] if hw else 45
     x = torch.randn(2, n, 32, dtype=torch.float64)

@@ -3,11 +3,14 @@
 FLOPs are counted as multiply-adds (one multiply-accumulate = 1 FLOP), the convention of fvcore, which the
 H-ViT3, L2ViT and ResT papers use, with mmengine's port of fvcore's jit-trace counter
 (`mmengine.analysis.get_model_complexity_info`): matmuls, linears, convolutions, norms and upsampling are
-counted; element-wise operations (activations, additions, RoPE rotations, softmax) are not.
+counted; element-wise operations (activations, additions, RoPE rotations, softmax) are not. The model is
+traced on whole maps (`memory.whole_maps`): the count is the model's, not that of the row bands' halo rows.
 """
 import torch
 import torch.nn as nn
 from mmengine.analysis import FlopAnalyzer
+
+from ..models.layers.memory import whole_maps
 
 DEFAULT_SHAPES = {'mmdet': (800, 1280), 'mmseg': (512, 2048), 'mmpretrain': (224, 224)}
 
@@ -32,11 +35,12 @@ class _TensorForward(nn.Module):
 
 
 def count_flops(module, inputs):
-    """Multiply-adds of `module(*inputs)` (quiet: unsupported element-wise ops are skipped)."""
-    analyzer = FlopAnalyzer(module, inputs)
-    analyzer.unsupported_ops_warnings(False)
-    analyzer.uncalled_modules_warnings(False)
-    return analyzer.total()
+    """Multiply-adds of `module(*inputs)` on whole maps (quiet: unsupported element-wise ops are skipped)."""
+    with whole_maps(module):
+        analyzer = FlopAnalyzer(module, inputs)
+        analyzer.unsupported_ops_warnings(False)
+        analyzer.uncalled_modules_warnings(False)
+        return analyzer.total()
 
 
 def n_params(module):

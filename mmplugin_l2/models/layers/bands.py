@@ -57,11 +57,18 @@ def _layer_rows(layer, x, top, bottom):
     return x
 
 
-def conv_chain_in_bands(layers, x, budget=2 ** 20):
+def norm_map_rows(norm, x):
+    """A LayerNorm over the channels of a map (B, C, H, W) (channels-last in, channels-last out)."""
+    return norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+def conv_chain_in_bands(layers, x, budget=2 ** 20, pre=None):
     """`layers` (a sequence of ConvLayer) applied to x (B, C, H, W), band by band of output rows.
 
-    Each band holds about `budget` elements of the widest intermediate. Same values as running the
-    layers on the whole map (for a BatchNorm in eval mode)."""
+    Each band holds about `budget` elements of the widest intermediate. `pre` (optional) is a function of
+    the pixels one by one (e.g. a LayerNorm over the channels, `norm_map_rows`) applied to each band of
+    input rows before the first layer, so that the chain computes layers(pre(x)) without pre(x) as a whole
+    map. Same values as running the layers on the whole map (for a BatchNorm in eval mode)."""
     layers = list(layers)
     heights, widths = [x.shape[-2]], [x.shape[-1]]
     for layer in layers:
@@ -87,6 +94,8 @@ def conv_chain_in_bands(layers, x, budget=2 ** 20):
             r0, r1 = plan[-1][:2]
         plan.reverse()
         t = x[:, :, plan[0][0]:plan[0][1]]
+        if pre is not None:
+            t = pre(t)
         for layer, (_, _, top, bottom) in zip(layers, plan):
             t = _layer_rows(layer, t, top, bottom)
         if out is None:

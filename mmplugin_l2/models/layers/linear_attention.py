@@ -139,39 +139,47 @@ class LinearAttention(nn.Module):
         return self.proj(out.transpose(1, 2).reshape(b, n, c))
 
     def _forward_chunks(self, x, piece, norm=None):
-        """Inference in token chunks, two passes: the k | v columns of qkv, sum_j K_j and K^T V summed over
-        the chunks; then per chunk the q columns, the normalised output and proj (`norm`, the pre-norm, on
-        each chunk in both passes). Only the output is map-sized. Same values as `forward` up to the
-        summation order of the two sums (~1e-7 relative)."""
+        """Inference in token chunks, two passes. First pass, per chunk: `norm` (the pre-norm), the qkv
+        product, sum_j K_j and K^T V accumulated per head, and Q = ReLU(q) written into the output buffer
+        (the chunk's own rows). Second pass, per chunk: the normalised output from Q, then proj, written
+        over the chunk's Q. The per-head products read strided head slices of the chunk in place (no head
+        copies); only the output is map-sized. Same values as `forward` up to the summation order of the
+        two sums (~1e-7 relative)."""
         b, n, c = x.shape
         nh, d = self.num_heads, c // self.num_heads
         step = max(1, piece // (b * c))
-        w, bias = self.qkv.weight, self.qkv.bias
         fp32 = self.fp32_reduce and x.dtype != torch.float64
-
-        def heads(t):
-            t = t.unflatten(-1, (nh, d)).transpose(1, 2)
-            return t.float() if fp32 else t
-
-        def chunk(i):
-            return x[:, i:i + step] if norm is None else norm(x[:, i:i + step])
-
-        ksum = kv = None
+        heads = [slice(h * d, (h + 1) * d) for h in range(nh)]
+        reduce_ctx = _autocast_off(x.device.type) if fp32 else contextlib.nullcontext()
+        ksum, kv, out = [None] * nh, [None] * nh, None
         for i in range(0, n, step):
-            t = nn.functional.linear(chunk(i), w[c:], None if bias is None else bias[c:])
-            with _autocast_off(x.device.type) if fp32 else contextlib.nullcontext():
-                k, v = heads(t[..., :c]).relu(), heads(t[..., c:])
-                ks, part = k.transpose(-2, -1).sum(dim=-1, keepdim=True), k.transpose(-2, -1) @ v
-                ksum, kv = (ks, part) if kv is None else (ksum.add_(ks), kv.add_(part))
-        out = None
-        for i in range(0, n, step):
-            t = nn.functional.linear(chunk(i), w[:c], None if bias is None else bias[:c])
-            with _autocast_off(x.device.type) if fp32 else contextlib.nullcontext():
-                q = heads(t).relu()
-                denom = torch.clamp(q @ ksum, min=self.clamp_min)
-                y = ((q @ (kv * self.temperature)) / denom).to(t.dtype)
-            y = self.proj(y.transpose(1, 2).reshape(b, -1, c))
+            t = self.qkv(x[:, i:i + step] if norm is None else norm(x[:, i:i + step]))
             if out is None:
-                out = y.new_empty(b, n, c)
-            out[:, i:i + step] = y
+                out = t.new_empty(b, n, c)
+            torch.clamp_min(t[..., :c], 0, out=out[:, i:i + step])         # Q of this chunk
+            k, v = t[..., c:2 * c].relu_(), t[..., 2 * c:]
+            with reduce_ctx:
+                if fp32:
+                    k, v = k.float(), v.float()
+                for h, sl in enumerate(heads):
+                    ks, kh, vh = k[..., sl].sum(dim=1), k[..., sl].transpose(1, 2), v[..., sl]
+                    if kv[h] is None:
+                        ksum[h], kv[h] = ks, torch.bmm(kh, vh)
+                    else:
+                        ksum[h].add_(ks)
+                        kv[h].baddbmm_(kh, vh)
+        kvt = [kv[h] * self.temperature[h] for h in range(nh)]
+        ksum = [s.unsqueeze(-1) for s in ksum]
+        y = None
+        for i in range(0, n, step):
+            q = out[:, i:i + step]
+            with reduce_ctx:
+                if fp32:
+                    q = q.float()
+                if y is None or y.shape[1] != q.shape[1]:
+                    y = q.new_empty(q.shape)
+                for h, sl in enumerate(heads):
+                    denom = torch.bmm(q[..., sl], ksum[h]).clamp_min_(self.clamp_min)
+                    torch.div(torch.bmm(q[..., sl], kvt[h]), denom, out=y[..., sl])
+            out[:, i:i + step] = self.proj(y.to(out.dtype))
         return out

@@ -32,6 +32,8 @@ EMSA) follows one `MemoryPolicy`, set for a whole backbone by its `memory_policy
 
 The defaults reproduce the speed measured on CPU in docs/benchmark.md.
 """
+import contextlib
+
 import torch
 
 from .export import exporting
@@ -125,3 +127,17 @@ def set_memory_policy(model, policy):
         if hasattr(m, 'memory_policy'):
             m.memory_policy = policy
     return policy
+
+
+@contextlib.contextmanager
+def whole_maps(model):
+    """Inside the block every layer of `model` works on whole maps (the policy None); the policies are
+    restored on exit. For counting the model's operations (FLOPs) without the halo rows that row bands
+    recompute."""
+    saved = [(m, m.memory_policy) for m in model.modules() if hasattr(m, 'memory_policy')]
+    set_memory_policy(model, None)
+    try:
+        yield model
+    finally:
+        for m, policy in saved:
+            m.memory_policy = policy

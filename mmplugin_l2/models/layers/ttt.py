@@ -218,35 +218,32 @@ def _qkv_heads(q1, k1, v1, rot, num_heads, fused):
     return tuple(_heads(t, num_heads) for t in (q1, k1, v1))
 
 
-def ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, piece=None):
-    """The whole TTT layer without autograd, tokens (B, N, C) -> (B, N, C), in chunks of `piece` / (B C)
-    tokens (None: one chunk), so that no (B, N, >= C) temporary is built except the output.
+def _ttt_chunks(cols, n, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, step, conv_tokens, target, emit):
+    """The fused TTT forward (no autograd) over chunks of `step` tokens, two passes.
 
-    Pass 1, chunk by chunk: the k1 | v1 | q2 | k2 | v2 columns of `qkv` (one contiguous block of its
-    weight rows), RoPE on k1, and k1^T [a1 | a2] of the SwiGLU inner gradient, summed over the chunks;
-    the three d-wide conv-head maps are kept. Then the conv head (whole map, d channels). Pass 2, chunk by
-    chunk: the q1 columns, RoPE, the updated SwiGLU model, the conv-head output and `proj`. Every linear
-    weight row is applied once, as in `ttt_core`; the values equal it up to the summation order of
-    k^T a over the chunks (~1e-7 relative)."""
-    b, n, _ = x.shape
+    Pass 1, chunk by chunk: `cols(i0, i1, 'kv')`, the chunk's [k1 | v1 | q2 | k2 | v2] columns (B, s, 2C + 3d),
+    RoPE on k1, and k1^T [a1 | a2] of the SwiGLU inner gradient, summed over the chunks; the conv-head
+    tokens [q2 | k2 | v2] (B, N, 3d) are `conv_tokens` or, when None, gathered from the chunks. Then the
+    conv head (whole map, d channels). Pass 2, chunk by chunk: `cols(i0, i1, 'q')` (B, s, C), RoPE, the
+    updated SwiGLU model and the conv-head output, written into `target(i0, i1, like)` (a (B, s, C + d)
+    tensor of `like`'s dtype), then `emit(i0, i1, y)`. The values equal `ttt_core` up to the summation
+    order of k^T a over the chunks (~1e-7 relative)."""
     h, w = hw_shape
     d = w1.shape[-1]
     c = num_heads * d
-    step = n if piece is None else max(1, piece // (b * c))
-    wq, wrest = qkv.weight[:c], qkv.weight[c:]
-    bq, brest = (None, None) if qkv.bias is None else (qkv.bias[:c], qkv.bias[c:])
 
     def rope(t, i):
         return apply_rope(t, rot[i:i + step]) if rot is not None else t
 
     w12 = torch.cat([w1, w2], dim=-1)
-    conv_head = None
     g = None
+    gather = conv_tokens is None
     for i in range(0, n, step):
-        kv = F.linear(x[:, i:i + step], wrest, brest)
-        if conv_head is None:
-            conv_head = kv.new_empty(b, n, 3 * d)
-        conv_head[:, i:i + step] = kv[..., 2 * c:]
+        kv = cols(i, min(n, i + step), 'kv')
+        if gather:
+            if conv_tokens is None:
+                conv_tokens = kv.new_empty(kv.shape[0], n, 3 * d)
+            conv_tokens[:, i:i + step] = kv[..., 2 * c:]
         k1, v1 = _heads(rope(kv[..., :c], i), num_heads), _heads(kv[..., c:2 * c], num_heads)
         if i == 0:
             w12 = _fast_weights(w12, k1)
@@ -254,20 +251,59 @@ def ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr,
         g = part if g is None else g.add_(part)
     w12 = w12 - (lr * _normalized_swiglu_grad(g, n, scale)).to(w12.dtype)
 
-    x2 = _conv_head(*conv_head.unflatten(1, (h, w)).split([d, d, d], dim=-1), w3, scale, lr)
-    del conv_head
+    x2 = _conv_head(*conv_tokens.unflatten(1, (h, w)).split([d, d, d], dim=-1), w3, scale, lr)
+    del conv_tokens
 
-    out = None
     for i in range(0, n, step):
-        z = _heads(rope(F.linear(x[:, i:i + step], wq, bq), i), num_heads) @ w12
-        y = z.new_empty(b, z.shape[2], c + d)
+        i1 = min(n, i + step)
+        z = _heads(rope(cols(i, i1, 'q'), i), num_heads) @ w12
+        y = target(i, i1, z)
         _swiglu_readout(z, out=_heads(y[..., :c], num_heads))
-        y[..., c:] = x2[:, i:i + step]
+        y[..., c:] = x2[:, i:i1]
+        emit(i, i1, y)
+
+
+def ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, piece=None):
+    """The whole TTT layer without autograd, tokens (B, N, C) -> (B, N, C), in chunks of `piece` / (B C)
+    tokens (None: one chunk), so that no (B, N, >= C) temporary is built except the output: the qkv
+    columns of each pass (`_ttt_chunks`: the k1 | v1 | q2 | k2 | v2 weight rows in the first, the q1 rows
+    in the second; every weight row applied once, as in `ttt_core`) and `proj` chunk by chunk."""
+    b, n, _ = x.shape
+    c = num_heads * w1.shape[-1]
+    step = n if piece is None else max(1, piece // (b * c))
+    rows = {'q': slice(None, c), 'kv': slice(c, None)}
+    out = []
+
+    def cols(i0, i1, part):
+        return F.linear(x[:, i0:i1], qkv.weight[rows[part]], None if qkv.bias is None else qkv.bias[rows[part]])
+
+    def emit(i0, i1, y):
         y = proj(y.to(proj.weight.dtype))
-        if out is None:
-            out = y.new_empty(b, n, y.shape[-1])
-        out[:, i:i + step] = y
-    return out
+        if not out:
+            out.append(y.new_empty(b, n, y.shape[-1]))
+        out[0][:, i0:i1] = y
+
+    _ttt_chunks(cols, n, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, step, None,
+                lambda i0, i1, z: z.new_empty(b, i1 - i0, c + w1.shape[-1]), emit)
+    return out[0]
+
+
+def ttt_core_chunks(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, piece):
+    """`ttt_core` with fused kernels (no autograd) in chunks of `piece` / (B C) tokens (`_ttt_chunks`): the
+    forward of `TTTCore` in the memory policy's training pieces. qkv (B, N, 3C + 3d) -> (B, N, C + d)."""
+    b, n, _ = qkv.shape
+    c = num_heads * w1.shape[-1]
+    out = []
+
+    def target(i0, i1, z):
+        if not out:
+            out.append(z.new_empty(b, n, qkv.shape[-1] - 2 * c - 2 * w1.shape[-1]))
+        return out[0][:, i0:i1]
+
+    _ttt_chunks(lambda i0, i1, part: qkv[:, i0:i1, :c] if part == 'q' else qkv[:, i0:i1, c:], n, rot, w1, w2,
+                w3, hw_shape, num_heads, scale, lr, max(1, piece // (b * c)), qkv[..., 3 * c:], target,
+                lambda *_: None)
+    return out[0]
 
 
 def _normalize_backward(gs, dgn, dim):
@@ -280,20 +316,17 @@ def _normalize_backward(gs, dgn, dim):
     return (dgn - gs * (dot / (nrm.clamp_min(torch.finfo(gs.dtype).tiny) * den))) / den
 
 
-def _swiglu_core_backward(dy, q, k, v, w12, scale, lr, out_v):
-    """Closed-form backward of the SwiGLU inner model: y = (q W'1) * SiLU(q W'2) with
-    W' = W - lr * normalise(-(scale/N) k^T [v SiLU(z2) | v z1 SiLU'(z2)]), z = k W, W = [W1 | W2].
+def token_blocks(n, rows):
+    """[(start, end)] of consecutive blocks of `rows` tokens (None: one block) covering n tokens."""
+    rows = n if rows is None else max(1, rows)
+    return [(i, min(n, i + rows)) for i in range(0, n, rows)]
 
-    Args:
-        dy: (B, H, N, d) gradient of y. q, k, v: (B, H, N, d) (q, k after RoPE). w12: (1 or B, H, d, 2d).
-        out_v: (B, H, N, d) view the gradient of v is written into.
-    Returns:
-        dq, dk (B, H, N, d) and dW (B, H, d, 2d), to be summed over a broadcast batch.
-    The recomputed forward keeps sigma(z2), SiLU(z2), SiLU'(z2) and z1 SiLU'(z2) for the chain rule
-    through the inner gradient; SiLU''(x) = s (1 - s) (2 + x - 2 SiLU(x)), s = sigma(x)."""
+
+def _swiglu_terms(k, v, w12):
+    """The inner-gradient terms of the SwiGLU model on keys k and values v (..., N, d), W = [W1 | W2]:
+    z1 (of z = k W), SiLU(z2), sigma(z2), 1 - sigma(z2), SiLU'(z2), t = z1 SiLU'(z2), and
+    a = [v SiLU(z2) | v t] (..., N, 2d), whose k^T a is the unnormalised inner gradient."""
     d = v.shape[-1]
-    n = k.shape[-2]
-    cst = -scale / float(n)
     z = k @ w12
     z1, z2 = z.split(d, dim=-1)
     s2 = torch.sigmoid(z2)
@@ -301,36 +334,77 @@ def _swiglu_core_backward(dy, q, k, v, w12, scale, lr, out_v):
     om = 1.0 - s2
     dsilu2 = torch.addcmul(s2, silu2, om)                 # SiLU' = s + SiLU (1 - s)
     t = z1 * dsilu2
-    a = torch.empty_like(z)                               # [a1 | a2] = [v SiLU(z2) | v z1 SiLU'(z2)]
+    a = torch.empty_like(z)
     torch.mul(v, silu2, out=a[..., :d])
     torch.mul(v, t, out=a[..., d:])
-    gs = (k.transpose(-2, -1) @ a) * cst
+    return z1, z2, silu2, s2, om, dsilu2, t, a
+
+
+def _swiglu_core_backward(dy, q, k, v, w12, scale, lr, dq_out, dk_out, dv_out, blocks):
+    """Closed-form backward of the SwiGLU inner model: y = (q W'1) * SiLU(q W'2) with
+    W' = W - lr * normalise(-(scale/N) k^T [v SiLU(z2) | v z1 SiLU'(z2)]), z = k W, W = [W1 | W2].
+
+    Three passes over the token blocks `blocks` (`token_blocks`): the inner gradient k^T a (a sum over
+    tokens); the readout's gradient, giving dq and dW' (a sum); the chain rule through the inner gradient,
+    giving dk, dv and the rest of dW. Every token-sized temporary is a block's (the memory policy's
+    training pieces keep them out of fresh pages); with more than one block the inner-gradient terms are
+    recomputed in the third pass instead of kept.
+
+    Args:
+        dy(i0, i1), q(i0, i1), k(i0, i1), v(i0, i1): (B, H, i1 - i0, d) blocks of the gradient of y, of
+            q and k (after RoPE) and of v. w12: (1 or B, H, d, 2d).
+        dq_out(i0, i1, g), dk_out(i0, i1, g): write the gradient g of a block of q / k.
+        dv_out(i0, i1): the (B, H, i1 - i0, d) view the gradient of that block of v is written into.
+    Returns:
+        dW (B, H, d, 2d), to be summed over a broadcast batch.
+    SiLU''(x) = s (1 - s) (2 + x - 2 SiLU(x)), s = sigma(x)."""
+    n = blocks[-1][1]
+    d = w12.shape[-1] // 2
+    cst = -scale / float(n)
+    gs = kept = None
+    for i0, i1 in blocks:
+        kb, vb = k(i0, i1), v(i0, i1)
+        terms = _swiglu_terms(kb, vb, w12)
+        part = kb.transpose(-2, -1) @ terms[-1]
+        gs = part if gs is None else gs.add_(part)
+        if len(blocks) == 1:     # whole maps: keep the terms for the third pass instead of recomputing
+            kept = kb, vb, terms
+        del terms
+    gs.mul_(cst)
     w12n = w12 - lr * normalize_inner_grad(gs, -2)
 
-    big_z = q @ w12n                                      # readout with the updated weights
-    dz_out = torch.empty_like(big_z)
-    zz1, zz2 = big_z.split(d, dim=-1)
-    torch.mul(dy, F.silu(zz2), out=dz_out[..., :d])
-    torch.ops.aten.silu_backward.grad_input(dy * zz1, zz2, grad_input=dz_out[..., d:])
-    del big_z, zz1, zz2
-    dq = dz_out @ w12n.transpose(-2, -1)
-    dwn = q.transpose(-2, -1) @ dz_out
-    del dz_out
+    dwn = None
+    for i0, i1 in blocks:
+        qb, dyb = q(i0, i1), dy(i0, i1)
+        big_z = qb @ w12n                                 # readout with the updated weights
+        dz_out = torch.empty_like(big_z)
+        zz1, zz2 = big_z.split(d, dim=-1)
+        torch.mul(dyb, F.silu(zz2), out=dz_out[..., :d])
+        torch.ops.aten.silu_backward.grad_input(dyb * zz1, zz2, grad_input=dz_out[..., d:])
+        dq_out(i0, i1, dz_out @ w12n.transpose(-2, -1))
+        part = qb.transpose(-2, -1) @ dz_out
+        dwn = part if dwn is None else dwn.add_(part)
     dgs = _normalize_backward(gs, dwn * -lr, -2) * cst    # dL/d(k^T a)
 
-    dk = a @ dgs.transpose(-2, -1)
-    del a
-    da = k @ dgs
-    da1, da2 = da.split(d, dim=-1)
-    torch.mul(da1, silu2, out=out_v).addcmul_(da2, t)
-    dz = torch.empty_like(z)
-    torch.mul(da2, v, out=dz[..., :d]).mul_(dsilu2)
-    ddsilu2 = torch.add(z2, silu2, alpha=-2.0).add_(2.0).mul_(s2).mul_(om)
-    dz2 = torch.mul(da1, dsilu2, out=dz[..., d:])
-    dz2.addcmul_(da2.mul_(z1), ddsilu2).mul_(v)
-    del da, da1, da2, ddsilu2
-    dk.add_(dz @ w12.transpose(-2, -1))
-    return dq, dk, dwn.add_(k.transpose(-2, -1) @ dz)
+    for i0, i1 in blocks:
+        kb, vb, terms = kept if kept is not None else (k(i0, i1), v(i0, i1), None)
+        kept = None
+        z1, z2, silu2, s2, om, dsilu2, t, a = terms if terms is not None else _swiglu_terms(kb, vb, w12)
+        del terms
+        dk = a @ dgs.transpose(-2, -1)
+        del a
+        da = kb @ dgs
+        da1, da2 = da.split(d, dim=-1)
+        torch.mul(da1, silu2, out=dv_out(i0, i1)).addcmul_(da2, t)
+        dz = torch.empty_like(da)
+        torch.mul(da2, vb, out=dz[..., :d]).mul_(dsilu2)
+        ddsilu2 = torch.add(z2, silu2, alpha=-2.0).add_(2.0).mul_(s2).mul_(om)
+        dz2 = torch.mul(da1, dsilu2, out=dz[..., d:])
+        dz2.addcmul_(da2.mul_(z1), ddsilu2).mul_(vb)
+        del da, da1, da2, ddsilu2
+        dk_out(i0, i1, dk.add_(dz @ w12.transpose(-2, -1)))
+        dwn.add_(kb.transpose(-2, -1) @ dz)
+    return dwn
 
 
 def _conv_head_backward(dx2, q2, k2, v2, w3, scale, lr):
@@ -350,28 +424,40 @@ def _conv_head_backward(dx2, q2, k2, v2, w3, scale, lr):
     return dq2, dk2, dv2, dwn.sum(0).view_as(w3)
 
 
-def ttt_core_backward(grad_out, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
+def ttt_core_backward(grad_out, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, piece=None):
     """Gradients of `ttt_core` w.r.t. qkv, w1, w2, w3 in closed form (fp32 / fp64, no autocast):
     the inner models are recomputed without autograd and the chain rule runs through their one-step
     inner gradients explicitly (`_swiglu_core_backward`, `_conv_head_backward`, RoPE transposed by its
-    conjugate rotation). grad_out: (B, N, C + d). Returns dqkv (B, N, 3C + 3d) and dw1, dw2, dw3."""
+    conjugate rotation). grad_out: (B, N, C + d). `piece` (None: whole maps): elements (tokens x C, the
+    batch included) of the token blocks the SwiGLU part runs in; the values are the same up to the
+    summation order of the sums over tokens. Returns dqkv (B, N, 3C + 3d) and dw1, dw2, dw3."""
     b, n, _ = qkv.shape
     h, w = hw_shape
     d = w1.shape[-1]
     c = num_heads * d
     q1, k1, v1, q2, k2, v2 = qkv.split([c, c, c, d, d, d], dim=-1)
-    q1, k1, v1 = _qkv_heads(q1, k1, v1, rot, num_heads, fused=True)
     w12 = torch.cat([w1, w2], dim=-1)
     dqkv = qkv.new_empty(qkv.shape)
     dq1, dk1, dv1 = (dqkv[..., i * c:(i + 1) * c] for i in range(3))
-    dq, dk, dw12 = _swiglu_core_backward(_heads(grad_out[..., :c], num_heads), q1, k1, v1, w12, scale, lr,
-                                         out_v=_heads(dv1, num_heads))
-    for g, out in ((dq, dq1), (dk, dk1)):
-        if rot is not None:
-            rope_heads_backward(g, rot, out)
-        else:
-            _heads(out, num_heads).copy_(g)
-    del dq, dk
+
+    def rotated(t):
+        if rot is None:
+            return lambda i0, i1: _heads(t[:, i0:i1], num_heads)
+        return lambda i0, i1: rope_heads(t[:, i0:i1], rot[i0:i1], num_heads)
+
+    def rotate_back(out):
+        def write(i0, i1, g):
+            if rot is not None:
+                rope_heads_backward(g, rot[i0:i1], out[:, i0:i1])
+            else:
+                _heads(out[:, i0:i1], num_heads).copy_(g)
+        return write
+
+    blocks = token_blocks(n, None if piece is None else piece // (b * c))
+    dw12 = _swiglu_core_backward(
+        lambda i0, i1: _heads(grad_out[:, i0:i1, :c], num_heads), rotated(q1), rotated(k1),
+        lambda i0, i1: _heads(v1[:, i0:i1], num_heads), w12, scale, lr, rotate_back(dq1), rotate_back(dk1),
+        lambda i0, i1: _heads(dv1[:, i0:i1], num_heads), blocks)
     dw12 = dw12.sum_to_size(w12.shape)
     maps = (t.unflatten(1, (h, w)) for t in (grad_out[..., c:], q2, k2, v2))
     *dconv, dw3 = _conv_head_backward(*maps, w3, scale, lr)
@@ -383,16 +469,20 @@ def ttt_core_backward(grad_out, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale
 class TTTCore(torch.autograd.Function):
     """`ttt_core` that saves only its inputs and recomputes the inner models in backward: in closed form
     (`ttt_core_backward`) for fp32 / fp64 without autocast, otherwise by autograd through a second
-    `ttt_core` under the forward's autocast state."""
+    `ttt_core` under the forward's autocast state. With `piece` (the memory policy's training pieces)
+    the forward (`ttt_core_chunks`) and the closed-form backward run in token chunks of `piece` elements."""
 
     @staticmethod
-    def forward(ctx, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
+    def forward(ctx, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, piece=None):
         dev = qkv.device.type
         on = autocast_on(dev)
         ctx.autocast = (dev, on, torch.get_autocast_dtype(dev) if on else None)
         ctx.args = (hw_shape, num_heads, scale, lr)
+        ctx.piece = piece
         ctx.rot = rot
         ctx.save_for_backward(qkv, w1, w2, w3)
+        if piece is not None:
+            return ttt_core_chunks(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, piece)
         return ttt_core(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, fused=True)
 
     @staticmethod
@@ -402,9 +492,9 @@ class TTTCore(torch.autograd.Function):
         dev, enabled, dtype = ctx.autocast
         if not enabled and saved[0].dtype in (torch.float32, torch.float64) and \
                 all(t.dtype == saved[0].dtype for t in saved[1:]):
-            g = ttt_core_backward(grad_out, *saved[:1], ctx.rot, *saved[1:], *ctx.args)
+            g = ttt_core_backward(grad_out, *saved[:1], ctx.rot, *saved[1:], *ctx.args, ctx.piece)
             g = [t if r else None for t, r in zip(g, needs)]
-            return g[0], None, g[1], g[2], g[3], None, None, None, None
+            return g[0], None, g[1], g[2], g[3], None, None, None, None, None
         inputs = [t.detach().requires_grad_(r) for t, r in zip(saved, needs)]
         amp = torch.autocast(dev, enabled=True, dtype=dtype) if enabled else autocast_off(dev)
         with torch.enable_grad(), amp:
@@ -412,7 +502,7 @@ class TTTCore(torch.autograd.Function):
         wrt = [t for t, r in zip(inputs, needs) if r]
         grads = iter(torch.autograd.grad(out, wrt, grad_out)) if wrt else iter(())
         g = [next(grads) if r else None for r in needs]
-        return g[0], None, g[1], g[2], g[3], None, None, None, None
+        return g[0], None, g[1], g[2], g[3], None, None, None, None, None
 
 
 class TTTAttention(nn.Module):
@@ -463,7 +553,8 @@ class TTTAttention(nn.Module):
         qkv = self.qkv(x)
         args = (qkv, rope, self.w1, self.w2, self.w3, tuple(hw_shape), self.num_heads, self.scale, self.lr)
         if recomputes(self):
-            y = TTTCore.apply(*args)
+            # the backward's SwiGLU part in token blocks: the memory policy's training pieces
+            y = TTTCore.apply(*args, self.memory_policy.train_cache_pieces(x, x.shape[0] * x.shape[1] * self.dim))
         else:
             y = ttt_core(*args)
         return self.proj(y.to(self.proj.weight.dtype))
