@@ -10,7 +10,7 @@ LayerNorm output nor the three intermediate maps are built whole.
 """
 import torch.nn as nn
 
-from .bands import ConvBNAct, can_run_in_bands, conv_chain_in_bands, norm_map_rows
+from .bands import ConvBNAct, conv_chain_in_bands, norm_map_rows
 from .conv import BatchNorm2d, Conv2dCL
 from .memory import DEFAULT_POLICY, inference
 from .mlp import gelu
@@ -41,7 +41,7 @@ class LCM(nn.Module):
 
     def forward(self, x, hw_shape, norm=None):
         piece = self.memory_policy.pieces(self, x, x.numel())
-        if piece is not None and can_run_in_bands((ConvBNAct(self.conv1, self.bn),)):
+        if piece is not None and not self.bn.training:      # bands only with the running statistics
             layers = (ConvBNAct(self.conv1, None, self._gelu_bn), ConvBNAct(self.conv2))
             pre = None if norm is None else (lambda t: norm_map_rows(norm, t))
             return map_to_tokens(conv_chain_in_bands(layers, tokens_to_map(x, hw_shape), piece, pre))

@@ -297,7 +297,7 @@ def ttt_core_chunks(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, piece)
 
     def target(i0, i1, z):
         if not out:
-            out.append(z.new_empty(b, n, qkv.shape[-1] - 2 * c - 2 * w1.shape[-1]))
+            out.append(z.new_empty(b, n, c + w1.shape[-1]))
         return out[0][:, i0:i1]
 
     _ttt_chunks(lambda i0, i1, part: qkv[:, i0:i1, :c] if part == 'q' else qkv[:, i0:i1, c:], n, rot, w1, w2,
