@@ -16,7 +16,7 @@ from mmplugin_l2.models.layers import (CPE, EMSA, LCM, PA, Conv2dCL, ConvDownsam
                                       L2ViTStem, LinearAttention, MemoryPolicy, Mlp, ResTPatchEmbed, ResTStem,
                                       TTTAttention, WindowAttention, rope_tables, set_memory_policy)
 from mmplugin_l2.models.layers.bands import can_run_in_bands
-from mmplugin_l2.models.layers.memory import pre_norm
+from mmplugin_l2.models.ops.memory import pre_norm
 
 
 class RecordingPolicy(MemoryPolicy):

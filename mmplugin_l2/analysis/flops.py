@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from mmengine.analysis import FlopAnalyzer
 
-from ..models.layers.memory import whole_maps
+from ..models.ops.memory import whole_maps
 
 DEFAULT_SHAPES = {'mmdet': (800, 1280), 'mmseg': (512, 2048), 'mmpretrain': (224, 224)}
 

@@ -102,7 +102,7 @@ def profile_layers(model, x):
     flops, by_module = _flops(model, x)
     stats, hooks = {}, []
     active = [0]   # timed modules running now: one called inside another (a pre-norm run inside the
-    # attention's pieces, `layers.memory.pre_norm`) is timed as part of the outer one, not twice
+    # attention's pieces, `ops.memory.pre_norm`) is timed as part of the outer one, not twice
     for name, mod in named:
         g = layer_group(name, mod)
         s = stats.setdefault(g, dict(macs=0, seconds=0., bytes=0, calls=0, modules=0))
@@ -143,7 +143,7 @@ def _flops(model, x):
     """(total multiply-adds, {module name: multiply-adds, descendants included}), one trace."""
     from mmengine.analysis import FlopAnalyzer
 
-    from ..models.layers.memory import whole_maps
+    from ..models.ops.memory import whole_maps
     with whole_maps(model):     # the model's operations, not the halo rows of row bands
         a = FlopAnalyzer(model, (x,))
         a.unsupported_ops_warnings(False)

@@ -8,7 +8,7 @@ A `PyramidBackbone` has a stem `patch_embed` and a ModuleList `layers` of stages
 * `frozen_stages` (-1: none, 0: the stem, i: the stem and stages 0..i-1 with their output norms) and
   `norm_eval` (BatchNorms stay in eval mode while training), honoured by `train()`;
 * `with_cp`: activation checkpointing of each block (`run_block`);
-* `memory_policy`: the one memory policy every large-map layer follows (`layers/memory.py`);
+* `memory_policy`: the one memory policy every large-map layer follows (`ops/memory.py`);
 * `stage_output(i, tokens, hw_shape)`: a stage's tokens through `norm{i}` to an NCHW map;
 * `init_cfg=dict(type='Pretrained', checkpoint=...)`: the authors' checkpoints are converted by the
   subclass's `convert_state_dict` and loaded strictly, with a clear error on keys that do not fit
@@ -29,8 +29,8 @@ from mmengine.model import BaseModule
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..checkpoint import load_pretrained
-from .layers.export import exporting
-from .layers.memory import set_memory_policy
+from .ops.export import exporting
+from .ops.memory import set_memory_policy
 from .layers.recompute import checkpointed
 from .layers.tokens import tokens_to_map
 

@@ -116,7 +116,7 @@ def build_model(cfg, checkpoint):
 
 
 def export(module, x, out, dynamic=False):
-    from mmplugin_l2.models.layers.export import export_onnx
+    from mmplugin_l2.models.ops.export import export_onnx
     with warnings.catch_warnings():
         warnings.simplefilter('ignore', torch.jit.TracerWarning)   # sizes taken as traced values, on purpose
         export_onnx(module, x, out, dynamic=dynamic)

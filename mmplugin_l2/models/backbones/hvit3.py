@@ -22,7 +22,7 @@ from mmengine.registry import MODELS
 
 from ..layers import (CPE, ConvDownsample, ConvMlp, ConvStem, Mlp, TTTAttention, add_residual, map_to_tokens,
                       pad_to_multiple, rope_tables, tokens_to_map)
-from ..layers.export import stage_boundary
+from ..ops.export import stage_boundary
 from ..pyramid import PyramidBackbone, resolve_arch
 
 
@@ -92,7 +92,7 @@ class HViT3(PyramidBackbone):
             side-branch convention, dict(type='BN') on stage 3 reproduces the authors' classification
             BatchNorm1d over tokens. Default: dict(type='LN').
         memory_policy (dict | None): how large a map a layer builds at once: dict(max_elems, devices), see
-            `layers/memory.py` (pieces of about `max_elems` elements at inference on the `devices` once a
+            `ops/memory.py` (pieces of about `max_elems` elements at inference on the `devices` once a
             map has twice that; None: whole maps). Default: dict(max_elems=2**20, devices=('cpu',)).
         init_cfg (dict | None): dict(type='Pretrained', checkpoint=PATH) loads the authors'
             classification (or dense-prediction) checkpoints, see `convert_state_dict`.

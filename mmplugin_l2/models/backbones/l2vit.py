@@ -40,8 +40,8 @@ from mmengine.registry import MODELS
 
 from ..layers import (LCM, L2ViTDownsample, L2ViTStem, LinearAttention, Mlp, ResidualCPE, WindowAttention,
                       add_residual)
-from ..layers.export import stage_boundary
-from ..layers.memory import pre_norm
+from ..ops.export import stage_boundary
+from ..ops.memory import pre_norm
 from ..layers.mlp import norm_mlp_branch
 from ..layers.recompute import recomputed_branch as _branch
 from ..pyramid import PyramidBackbone, resolve_arch
@@ -135,7 +135,7 @@ class L2ViT(PyramidBackbone):
             attention keeps only q, k, v in any case (`LinearAttentionCore`). Same gradients; about half
             the memory of a step without it for about the same time. False: plain autograd. Default: True.
         memory_policy (dict | None): how large a map a layer builds at once: dict(max_elems, devices), see
-            `layers/memory.py` (pieces of about `max_elems` elements at inference on the `devices` once a
+            `ops/memory.py` (pieces of about `max_elems` elements at inference on the `devices` once a
             map has twice that; None: whole maps). Default: dict(max_elems=2**20, devices=('cpu',)).
         init_cfg (dict | None): dict(type='Pretrained', checkpoint=PATH) loads the authors' release files
             (`L2ViT-{Tiny,Small,Base}-checkpoint-best-ema.pth`, weights under `model`) or converted ones.

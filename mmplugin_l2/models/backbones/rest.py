@@ -31,7 +31,7 @@ from mmengine.model.weight_init import trunc_normal_
 from mmengine.registry import MODELS
 
 from ..layers import EMSA, Mlp, ResTPatchEmbed, ResTStem, add_residual, map_to_tokens, tokens_to_map
-from ..layers.export import stage_boundary
+from ..ops.export import stage_boundary
 from ..layers.mlp import norm_mlp_branch
 from ..pyramid import PyramidBackbone, resolve_arch
 
@@ -112,7 +112,7 @@ class ResT(PyramidBackbone):
             less memory), and the MLP branches recompute LayerNorm and GELU in backward. False: dense maps,
             plain autograd. Default: True.
         memory_policy (dict | None): how large a map a layer builds at once: dict(max_elems, devices), see
-            `layers/memory.py` (pieces of about `max_elems` elements at inference on the `devices` once a
+            `ops/memory.py` (pieces of about `max_elems` elements at inference on the `devices` once a
             map has twice that; None: whole maps). Default: dict(max_elems=2**20, devices=('cpu',)).
         init_cfg (dict | None): dict(type='Pretrained', checkpoint=PATH) loads the authors' classification
             checkpoints ({'model': ...}), their detectron2 checkpoints, or files converted by

@@ -10,7 +10,7 @@ from .cpe import CPE, ResidualCPE
 from .emsa import EMSA, ChunkedEMSAAttention, emsa_attention, naive_emsa_attention
 from .lcm import LCM
 from .linear_attention import LinearAttention
-from .memory import MemoryPolicy, set_memory_policy
+from ..ops.memory import MemoryPolicy, set_memory_policy
 from .mlp import ConvMlp, Mlp
 from .pa import PA
 from .rope import apply_rope, rope_tables

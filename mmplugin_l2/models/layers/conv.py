@@ -8,7 +8,7 @@ Input and output are (B, C, H, W) tensors.
 import torch
 import torch.nn as nn
 
-from .export import exporting
+from ..ops.export import exporting
 
 
 class Conv2dCL(nn.Conv2d):

@@ -59,9 +59,9 @@ takes the dense path, also in place.
 import torch
 import torch.nn as nn
 
-from .dtypes import autocast_off, compute_dtype
-from .export import exporting
-from .memory import DEFAULT_POLICY, recomputes
+from ..ops.dtypes import autocast_off, compute_dtype
+from ..ops.export import exporting
+from ..ops.memory import DEFAULT_POLICY, recomputes
 from .tokens import map_to_tokens, tokens_to_map
 
 #: logits above this are shifted down per row before exp (exact: softmax is shift-invariant)

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from .bands import ConvBNAct, conv_chain_in_bands, norm_map_rows
 from .conv import BatchNorm2d, Conv2dCL
-from .memory import DEFAULT_POLICY, inference
+from ..ops.memory import DEFAULT_POLICY, inference
 from .mlp import gelu
 from .tokens import map_to_tokens, tokens_to_map
 

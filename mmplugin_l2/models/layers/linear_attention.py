@@ -27,9 +27,9 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from .dtypes import autocast_off as _autocast_off
-from .export import exporting
-from .memory import DEFAULT_POLICY
+from ..ops.dtypes import autocast_off as _autocast_off
+from ..ops.export import exporting
+from ..ops.memory import DEFAULT_POLICY
 
 threshold_backward = torch.ops.aten.threshold_backward
 

@@ -26,8 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .conv import Conv2dCL
-from .dtypes import autocast_on
-from .memory import DEFAULT_POLICY, inference, pre_norm, recomputes
+from ..ops.dtypes import autocast_on
+from ..ops.memory import DEFAULT_POLICY, inference, pre_norm, recomputes
 from .recompute import recomputed, recomputed_branch
 from .tokens import add_residual, map_to_tokens, tokens_conv, tokens_to_map
 

@@ -8,7 +8,7 @@ any size; the parameters are `pa_conv.{weight,bias}`, the authors' key names.
 import torch
 import torch.nn as nn
 
-from .memory import inference
+from ..ops.memory import inference
 
 
 class PA(nn.Module):

@@ -16,7 +16,7 @@ import torch
 import torch.utils.checkpoint as cp
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .memory import pre_norm, recomputes
+from ..ops.memory import pre_norm, recomputes
 
 
 @contextlib.contextmanager

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from .bands import ConvBNAct, can_run_in_bands, conv_chain_in_bands
 from .conv import BatchNorm2d, ConvLayer
-from .export import exporting
-from .memory import DEFAULT_POLICY
+from ..ops.export import exporting
+from ..ops.memory import DEFAULT_POLICY
 from .pa import PA
 from .tokens import map_to_tokens, pad_to_multiple, tokens_to_map
 

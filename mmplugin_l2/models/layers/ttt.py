@@ -27,9 +27,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from mmengine.model.weight_init import trunc_normal_
 
-from .dtypes import HALF_DTYPES, autocast_off, autocast_on, autocasts_to
-from .export import eager_inference, exporting
-from .memory import DEFAULT_POLICY, inference, recomputes
+from ..ops.dtypes import HALF_DTYPES, autocast_off, autocast_on, autocasts_to
+from ..ops.export import eager_inference, exporting
+from ..ops.memory import DEFAULT_POLICY, inference, recomputes
 from .rope import apply_rope, rope_heads, rope_heads_backward
 from .tokens import check_token_count
 

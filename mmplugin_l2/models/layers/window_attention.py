@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .export import exporting
-from .memory import DEFAULT_POLICY
+from ..ops.export import exporting
+from ..ops.memory import DEFAULT_POLICY
 
 
 def window_partition(x, window_size):
