@@ -12,9 +12,9 @@ import torch.nn as nn
 
 from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST, nbytes, saved_for_backward
 from mmplugin_l2 import HViT3, L2ViT, ResT, ViT3
-from mmplugin_l2.models.layers import (CPE, EMSA, LCM, PA, Conv2dCL, ConvDownsample, ConvMlp, ConvStem, ConvStem2L,
-                                      L2ViTStem, LinearAttention, MemoryPolicy, Mlp, ResTPatchEmbed, ResTStem,
-                                      TTTAttention, WindowAttention, rope_tables, set_memory_policy)
+from mmplugin_l2.models.layers import (CPE, LCM, PA, Conv2dCL, ConvDownsample, ConvMlp, ConvStem, ConvStem2L,
+                                      L2ViTStem, MemoryPolicy, Mlp, ResTPatchEmbed, ResTStem, TTTAttention,
+                                      rope_tables, set_memory_policy)
 from mmplugin_l2.models.layers.bands import can_run_in_bands
 from mmplugin_l2.models.ops.memory import pre_norm
 
@@ -137,30 +137,6 @@ def test_conv_chains_use_bands_only_when_safe():
     assert not policy.used
 
 
-def test_linear_attention_chunks_with_the_clamp_binding():
-    """Two chunked passes (K^T V and sum K accumulated over chunks of 7 tokens, a partial last one) = the
-    whole map, with some denominators below the clamp (100) and some above."""
-    m = _random_(LinearAttention(32, 2))
-    x = torch.randn(2, 300, 32, dtype=torch.float64) * 0.2
-    with torch.no_grad():
-        q, k, _ = m.qkv(x).reshape(2, 300, 3, 2, 16).permute(2, 0, 3, 1, 4).relu()
-        denom = q @ k.sum(dim=2, keepdim=True).transpose(-2, -1)
-    frac = (denom < m.clamp_min).double().mean().item()
-    assert 0.1 < frac < 0.9, frac       # the clamp binds for a part of the queries only
-    fast, ref = paths(m, (x,), max_elems=2 * 7 * 32)
-    assert ref.abs().max() > 0.1
-    close(fast, ref)
-
-
-@pytest.mark.parametrize('mask_padding', [False, True])
-@pytest.mark.parametrize('hw', [(20, 33), (28, 14), (5, 9)])
-def test_window_attention_bands(mask_padding, hw):
-    """A band of window rows at a time, with right/bottom padding (masked or not), 2 heads = whole map."""
-    m = _random_(WindowAttention(32, 2, 7, mask_padding=mask_padding))
-    x = torch.randn(2, hw[0] * hw[1], 32, dtype=torch.float64)
-    close(*paths(m, (x, hw), max_elems=1))
-
-
 class _PreNorm(nn.Module):
     def __init__(self, module):
         super().__init__()
@@ -170,13 +146,10 @@ class _PreNorm(nn.Module):
         return pre_norm(self.norm, self.module, x, *args)
 
 
-@pytest.mark.parametrize('module,hw', [(Mlp(32, 64), ()), (LinearAttention(32, 2), ()),
-                                       (WindowAttention(32, 2, 7), ((20, 33),)), (WindowAttention(32, 2, 7), ((5, 9),)),
-                                       (LCM(32), ((20, 33),))])
+@pytest.mark.parametrize('module,hw', [(Mlp(32, 64), ()), (LCM(32), ((20, 33),))])
 def test_pre_norm_in_the_pieces(module, hw):
     """`memory.pre_norm`: at inference the LayerNorm runs piece by piece inside the module (Mlp chunks,
-    linear-attention chunks, window-attention bands before their padding, LCM row bands before the halo's
-    zero rows) = module(norm(x))."""
+    LCM row bands before the halo's zero rows) = module(norm(x)). The attention ops: tests/ops."""
     m = _random_(_PreNorm(module))
     n = hw[0][0] * hw[0][1] if hw else 45
     x = torch.randn(2, n, 32, dtype=torch.float64)
@@ -198,19 +171,6 @@ def test_lcm_and_cpe_in_place():
     close(*paths(m, (x, (9, 11)), 10 ** 9, expect_pieces=False))
     c = _random_(CPE(16))
     close(*paths(c, (x, (9, 11)), 10 ** 9, expect_pieces=False))
-
-
-@pytest.mark.parametrize('rows', [None, 1, 5])
-@pytest.mark.parametrize('heads,sr', [(1, 4), (3, 2), (4, 1)])
-def test_emsa_inference(heads, sr, rows):
-    """EMSA's inference = the autograd path, with and without head mixing + instance norm, odd map sizes:
-    dense (in-place deviation / IN steps) and in query blocks of 1 and 5 rows (63 queries: a partial last
-    block; one pass, the IN scale applied to the output at the end)."""
-    m = _random_(EMSA(12 * heads, heads, sr, qkv_bias=True))
-    x = torch.randn(2, 9 * 7, 12 * heads, dtype=torch.float64)
-    n_keys = -(-9 // sr) * -(-7 // sr)
-    max_elems = 10 ** 9 if rows is None else rows * 2 * heads * n_keys
-    close(*paths(m, (x, (9, 7)), max_elems, expect_pieces=rows is not None))
 
 
 # ---- whole backbones in eval mode --------------------------------------------------------------

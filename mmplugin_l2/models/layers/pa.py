@@ -8,10 +8,18 @@ any size; the parameters are `pa_conv.{weight,bias}`, the authors' key names.
 import torch
 import torch.nn as nn
 
-from ..ops.memory import inference
+from ..ops import INFERENCE, choose
 
 
 class PA(nn.Module):
+    """Pixel attention: x * sigmoid(DWConv3x3(x)) on NCHW maps.
+
+    Args:
+        dim (int): channels C.
+
+    forward(x): x (B, C, H, W) -> (B, C, H, W). At inference (`ops.dispatch.choose`) the gate is computed in
+    place (same values, no autograd).
+    """
 
     def __init__(self, dim):
         super().__init__()
@@ -19,6 +27,6 @@ class PA(nn.Module):
 
     def forward(self, x):
         gate = self.pa_conv(x)
-        if not inference(self):
-            return x * torch.sigmoid(gate)
-        return gate.sigmoid_().mul_(x)   # no autograd: in place, same values
+        if choose(self, x, x.numel(), train=False).impl == INFERENCE:
+            return gate.sigmoid_().mul_(x)
+        return x * torch.sigmoid(gate)

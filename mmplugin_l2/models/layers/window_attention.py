@@ -1,71 +1,55 @@
 """Local window attention (W-MSA, as Swin without shift), L2ViT's "Local Window Attention" (LWA).
 
 The token map (B, N = H*W, C) is zero-padded right/bottom to multiples of the window size w, cut into
-non-overlapping w x w windows, multi-head softmax attention runs inside each window, and the windows are put
-back and cropped to H x W: (B, N, C) in, (B, N, C) out.
+non-overlapping w x w windows; inside each window, with q, k, v = Linear(C, 3C) of its w*w tokens,
 
-* No relative position bias and no shift (L2ViT's CPE replaces the bias); qkv = Linear(C, 3C), output
-  projection Linear(C, C) (keys `qkv.*`, `proj.*`, the authors' layout).
+    out = Linear_proj(merge_heads(softmax(q k^T * d^-0.5) v))
+
+and the windows are put back and cropped to H x W: (B, N, C) in, (B, N, C) out.
+
+* No relative position bias and no shift (L2ViT's CPE replaces the bias); keys `qkv.*`, `proj.*` (the
+  authors' layout).
 * Padding, the authors' way (default): padded positions enter the attention as the zero vector, so their
   keys/values are the qkv bias and they take part in the softmax of border windows (like Swin's unshifted
   W-MSA). `mask_padding=True` instead masks the padded keys out (-inf before the softmax): the result then
   does not depend on how much padding a border window gets, but no longer equals the authors' numbers at
-  sizes that are not multiples of w. Every window holds at least one real token (padding < w), so no row is
-  fully masked.
+  sizes that are not multiples of w. Every window holds at least one real token (padding < w).
+* The softmax attention is torch's fused `F.scaled_dot_product_attention`: the (nW, heads, w*w, w*w)
+  probability matrix is never stored. It equals the explicit softmax(q k^T * scale) v to float rounding.
 
-The attention is torch's fused `F.scaled_dot_product_attention` (flash kernel on CPU and GPU): the
-(nW, heads, w*w, w*w) probability matrix is never stored, in inference or for backward. It equals the
-authors' explicit softmax(q k^T * scale) v to float rounding (~1e-6 on unit-variance inputs, as close to
-an fp64 reference as theirs).
-
-Helpers: `window_partition` (B, H, W, C) -> (B * nW, w*w, C) and `window_reverse` back.
+The windowing is the op `ops.window_attention` (the whole map, or pieces of window rows at inference),
+chosen once per forward by `ops.dispatch.choose`.
 """
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ops import choose
 from ..ops.export import exporting
 from ..ops.memory import DEFAULT_POLICY
+from ..ops.window_attention import padding_key_mask, window_attention, window_partition, window_reverse
 
-
-def window_partition(x, window_size):
-    """(B, H, W, C) with H, W multiples of w -> (B * H/w * W/w, w*w, C), windows in row-major order."""
-    b, h, w, c = x.shape
-    ws = window_size
-    x = x.view(b, h // ws, ws, w // ws, ws, c).permute(0, 1, 3, 2, 4, 5)
-    return x.reshape(-1, ws * ws, c)
-
-
-def window_reverse(windows, window_size, h, w):
-    """(B * H/w * W/w, w*w, C) -> (B, H, W, C); the inverse of `window_partition`."""
-    ws = window_size
-    c = windows.shape[-1]
-    b = windows.shape[0] // ((h // ws) * (w // ws))
-    x = windows.view(b, h // ws, w // ws, ws, ws, c).permute(0, 1, 3, 2, 4, 5)
-    return x.reshape(b, h, w, c)
-
-
-def padding_key_mask(hw_shape, padded_shape, window_size, device):
-    """Bool (nW, w*w): True where a window position lies in the right/bottom padding."""
-    h, w = hw_shape
-    hp, wp = padded_shape
-    pad = torch.ones(1, hp, wp, 1, dtype=torch.bool, device=device)
-    pad[:, :h, :w] = False
-    return window_partition(pad, window_size)[..., 0]
+__all__ = ['WindowAttention', 'padding_key_mask', 'window_partition', 'window_reverse']
 
 
 class WindowAttention(nn.Module):
     """Multi-head softmax attention inside non-overlapping w x w windows of a token map.
 
     Args:
-        dim (int): channels C. num_heads (int): heads (head_dim = C / heads).
+        dim (int): channels C.
+        num_heads (int): heads (head_dim d = C / heads).
         window_size (int): w. Default: 7.
-        qkv_bias (bool): Default: True.
+        qkv_bias (bool): bias of `qkv`. Default: True.
         mask_padding (bool): mask the right/bottom padding out of the attention instead of the authors'
             zero-padding without mask. Default: False.
 
-    forward(x, hw_shape): x (B, H*W, C) tokens of an (H, W) map -> (B, H*W, C).
+    forward(x, hw_shape, norm=None): x (B, H*W, C) tokens of an (H, W) map -> (B, H*W, C); with `norm`,
+    attention(norm(x)).
     """
+
+    #: pieces of padded tokens x channels (the batch included) at inference: bands of window rows
+    memory_policy = DEFAULT_POLICY
+    #: `forward(x, hw, norm=norm)` computes attn(norm(x), hw), the norm piece by piece at inference
+    fuses_norm = True
 
     def __init__(self, dim, num_heads, window_size=7, qkv_bias=True, mask_padding=False):
         super().__init__()
@@ -89,54 +73,13 @@ class WindowAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=self.scale)
         return self.proj(out.transpose(1, 2).reshape(bw, n, c))
 
-    #: inference on large maps in bands of window rows (the (B, rows, Wp, C) band is the piece)
-    memory_policy = DEFAULT_POLICY
-    #: `forward(x, hw, norm=norm)` computes attn(norm(x), hw), the norm band by band at inference
-    fuses_norm = True
-
-    def _windows_in_bands(self, x, padded_shape, key_mask, piece, norm=None):
-        """Inference on the map x (B, H, W, C), a band of window rows at a time, each band normalised
-        (`norm`) and zero-padded to whole windows on its own (the windows are independent, so the values
-        are those of the whole map); returns (B, H, W, C). Neither the norm's output nor the padded map is
-        built whole."""
-        b, h, w, c = x.shape
-        hp, wp = padded_shape
-        ws = self.window_size
-        rows = max(1, piece // (b * ws * wp * c)) * ws
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        per_row = wp // ws        # windows per window row (per sample)
-        for r0 in range(0, hp, rows):
-            r1 = min(hp, r0 + rows)
-            e1 = min(h, r1)       # the band's real rows (r0 < h: the padding is less than a window)
-            band = x[:, r0:e1] if norm is None else norm(x[:, r0:e1])
-            if e1 < r1 or wp > w:
-                band = F.pad(band, (0, 0, 0, wp - w, 0, r1 - e1))
-            mask = None
-            if key_mask is not None:
-                mask = key_mask.view(b, hp // ws, per_row, -1)[:, r0 // ws:r1 // ws].reshape(-1, ws * ws)
-            y = self.attention(window_partition(band, ws), mask)
-            out[:, r0:e1] = window_reverse(y, ws, r1 - r0, wp)[:, :e1 - r0, :w]
-        return out
-
     def forward(self, x, hw_shape, norm=None):
-        b, n, c = x.shape
+        b, _, c = x.shape
         h, w = hw_shape
         ws = self.window_size
-        pad_b, pad_r = (-h) % ws, (-w) % ws
-        padded = exporting() or pad_b or pad_r   # exporting: one graph for every size (zero pads are no-ops)
-        hp, wp = h + pad_b, w + pad_r
+        hp, wp = h + (-h) % ws, w + (-w) % ws
         key_mask = None
-        if self.mask_padding and padded:
+        if self.mask_padding and (exporting() or (hp, wp) != (h, w)):
             key_mask = padding_key_mask((h, w), (hp, wp), ws, x.device).repeat(b, 1)
-        piece = self.memory_policy.pieces(self, x, b * hp * wp * c)
-        if piece is not None:
-            return self._windows_in_bands(x.view(b, h, w, c), (hp, wp), key_mask, piece, norm).view(b, n, c)
-        if norm is not None:
-            x = norm(x)
-        x = x.view(b, h, w, c)
-        if padded:
-            x = F.pad(x, (0, 0, 0, pad_r, 0, pad_b))
-        x = window_reverse(self.attention(window_partition(x, ws), key_mask), ws, hp, wp)
-        if padded:
-            x = x[:, :h, :w, :]
-        return x.reshape(b, h * w, c)
+        path = choose(self, x, b * hp * wp * c, train=False)
+        return window_attention(path, x, hw_shape, ws, self.attention, key_mask, norm)

@@ -1,0 +1,75 @@
+"""EMSA's train path: A @ v over pieces of queries, recomputed piece by piece in backward.
+
+Kept for backward: q, the centred keys, v, the output and one scalar per (image, head) (the IN scale r); no
+map-sized tensor. Backward of the instance norm: dG = r (dA - A mean(dA * A)), where the whole map's mean
+comes without another pass, sum(dA * A) = sum(dout * out).
+"""
+import torch
+
+from ..dtypes import autocast_off, compute_dtype
+from .pieces import emsa_in_pieces, query_pieces
+from .reference import deviation_map, softmax_map
+
+
+class ChunkedEMSAAttention(torch.autograd.Function):
+    """A @ v of EMSA in pieces of `rows` queries, recomputed in backward.
+
+    Inputs: q (B, h, N, d), centred keys kc and values v (B, h, N', d), contiguous; `weight` (h, h, 1, 1) of
+    the head-mixing conv (its bias does not change A), or None for the single-head form; `scale`, `eps` (IN),
+    `rows` (queries per piece). Output (B, h, N, d) in v's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, q, kc, v, weight, scale, eps, rows):
+        pieces = query_pieces(q.shape[2], rows)
+        out, r = emsa_in_pieces(q, kc, v, weight, scale, eps, pieces)
+        ctx.pieces, ctx.scale = pieces, scale
+        ctx.save_for_backward(q, kc, v, weight, out, r)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, kc, v, weight, out, r = ctx.saved_tensors
+        need_q, need_k, need_v, need_w = ctx.needs_input_grad[:4]
+        cdt = compute_dtype(q)
+        dout = dout.contiguous()
+        vc = v.to(cdt)
+        dq = [] if need_q else None
+        dk = torch.zeros_like(kc, dtype=cdt) if need_k else None
+        dv = torch.zeros_like(v, dtype=cdt) if need_v else None
+        dw = torch.zeros_like(weight) if need_w else None
+        if weight is not None:
+            count = q.shape[2] * kc.shape[2]
+            mean_daa = ((dout.to(cdt) * out.to(cdt)).sum(dim=(2, 3)) / count)[..., None, None]
+        kd = kc.detach().requires_grad_(need_k)
+        wd = weight.detach().requires_grad_(need_w) if weight is not None else None
+        with autocast_off(q.device.type):
+            for p in ctx.pieces:
+                with torch.enable_grad():
+                    qp = q[:, :, p].detach().requires_grad_(need_q)
+                    m = softmax_map(qp, kd, ctx.scale) if weight is None else deviation_map(qp, kd, ctx.scale, wd)
+                do = dout[:, :, p].to(cdt)
+                da = do @ vc.transpose(-2, -1)
+                if weight is None:
+                    a, dm = m.detach(), da
+                else:
+                    a = m.detach() * r
+                    dm = r * (da - a * mean_daa)
+                if need_v:
+                    dv += a.transpose(-2, -1) @ do
+                inputs = [t for t, need in ((qp, need_q), (kd, need_k), (wd, need_w)) if need]
+                if inputs:
+                    grads = list(torch.autograd.grad(m, inputs, dm))
+                    if need_q:
+                        dq.append(grads.pop(0))
+                    if need_k:
+                        dk += grads.pop(0)
+                    if need_w:
+                        dw += grads.pop(0)
+        if need_q:
+            dq = torch.cat(dq, dim=2)
+        if need_v:
+            dv = dv.to(v.dtype)
+        if need_k:
+            dk = dk.to(kc.dtype)
+        return dq, dk, dv, dw, None, None, None

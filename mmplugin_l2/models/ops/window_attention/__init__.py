@@ -1,0 +1,31 @@
+"""Window attention op (attention inside non-overlapping windows): `reference` (whole map, padding and mask),
+`pieces` (inference in pieces of window rows). `window_attention` dispatches between them."""
+from ..dispatch import INFERENCE
+from .pieces import window_attention_in_pieces
+from .reference import padding_key_mask, window_attention_reference, window_partition, window_reverse
+
+__all__ = ['padding_key_mask', 'window_attention', 'window_attention_in_pieces', 'window_attention_reference',
+           'window_partition', 'window_reverse']
+
+
+def window_attention(path, x, hw_shape, window_size, attend, key_mask=None, norm=None):
+    """`attend` inside the w x w windows of norm(x).
+
+    Args:
+        path (Path): from `ops.dispatch.choose`: 'inference' with a piece runs in pieces of window rows,
+            anything else the reference on the whole map.
+        x (Tensor): tokens (B, H*W, C) of an (H, W) map.
+        hw_shape (tuple[int, int]): (H, W).
+        window_size (int): w.
+        attend (callable): (B', w*w, C) tokens of B' windows and a key mask (B', w*w) or None -> (B', w*w, C).
+        key_mask (Tensor | None): bool (B * nW, w*w) of the padded map, True = ignore that key. Default: None.
+        norm (nn.Module | None): a pre-norm applied to x first. Default: None.
+
+    Returns:
+        Tensor: (B, H*W, C).
+    """
+    if path.impl == INFERENCE and path.piece is not None:
+        return window_attention_in_pieces(x, hw_shape, window_size, attend, key_mask, path.piece, norm)
+    if norm is not None:
+        x = norm(x)
+    return window_attention_reference(x, hw_shape, window_size, attend, key_mask)

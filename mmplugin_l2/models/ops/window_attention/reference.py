@@ -1,0 +1,64 @@
+"""Attention inside non-overlapping w x w windows of a token map, on the whole map: the reference.
+
+The map is zero-padded right/bottom to multiples of w, cut into windows, `attend` runs on the tokens of each
+window, and the windows are put back and cropped. With a key mask the padded positions are masked out of the
+attention (every window holds at least one real token: the padding is less than a window).
+"""
+import torch
+import torch.nn.functional as F
+
+from ..export import exporting
+
+
+def window_partition(x, window_size):
+    """(B, H, W, C) with H, W multiples of w -> (B * H/w * W/w, w*w, C), windows in row-major order."""
+    b, h, w, c = x.shape
+    ws = window_size
+    x = x.view(b, h // ws, ws, w // ws, ws, c).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(-1, ws * ws, c)
+
+
+def window_reverse(windows, window_size, h, w):
+    """(B * H/w * W/w, w*w, C) -> (B, H, W, C); the inverse of `window_partition`."""
+    ws = window_size
+    c = windows.shape[-1]
+    b = windows.shape[0] // ((h // ws) * (w // ws))
+    x = windows.view(b, h // ws, w // ws, ws, ws, c).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(b, h, w, c)
+
+
+def padding_key_mask(hw_shape, padded_shape, window_size, device):
+    """Bool (nW, w*w): True where a window position lies in the right/bottom padding."""
+    h, w = hw_shape
+    hp, wp = padded_shape
+    pad = torch.ones(1, hp, wp, 1, dtype=torch.bool, device=device)
+    pad[:, :h, :w] = False
+    return window_partition(pad, window_size)[..., 0]
+
+
+def window_attention_reference(x, hw_shape, window_size, attend, key_mask=None):
+    """`attend` inside the w x w windows of the whole map.
+
+    Args:
+        x (Tensor): tokens (B, H*W, C) of an (H, W) map.
+        hw_shape (tuple[int, int]): (H, W).
+        window_size (int): w.
+        attend (callable): (B', w*w, C) tokens of B' windows and a key mask (B', w*w) or None -> (B', w*w, C).
+        key_mask (Tensor | None): bool (B * nW, w*w), True = a padded key to ignore. Default: None.
+
+    Returns:
+        Tensor: (B, H*W, C).
+    """
+    b, n, c = x.shape
+    h, w = hw_shape
+    ws = window_size
+    pad_b, pad_r = (-h) % ws, (-w) % ws
+    padded = exporting() or pad_b or pad_r   # exporting: one graph for every size (zero pads are no-ops)
+    hp, wp = h + pad_b, w + pad_r
+    x = x.view(b, h, w, c)
+    if padded:
+        x = F.pad(x, (0, 0, 0, pad_r, 0, pad_b))
+    x = window_reverse(attend(window_partition(x, ws), key_mask), ws, hp, wp)
+    if padded:
+        x = x[:, :h, :w, :]
+    return x.reshape(b, h * w, c)

@@ -1,0 +1,196 @@
+"""`ops.emsa`: ResT's EMSA attention A @ v, its inference pieces and its train function against the reference
+(`naive_emsa_attention`), the dispatch of the `EMSA` layer, and the overflow guard of large logits."""
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mmplugin_l2.models.ops.emsa as emsa_op
+from mmplugin_l2.models.layers import EMSA
+from mmplugin_l2.models.ops import INFERENCE, TRAIN, Path
+from mmplugin_l2.models.ops.emsa import ChunkedEMSAAttention, emsa_attention, naive_emsa_attention
+from mmplugin_l2.models.ops.memory import MemoryPolicy, set_memory_policy
+from ops.harness import assert_matches_reference
+
+
+def _qkv(b, h, n, nk, d, dtype=torch.float64, q_std=1., k_std=1.):
+    return (torch.randn(b, h, n, d, dtype=dtype) * q_std, torch.randn(b, h, nk, d, dtype=dtype) * k_std,
+            torch.randn(b, h, nk, d, dtype=dtype))
+
+
+def _conv(weight, bias):
+    """The head-mixing conv as the op reads it (weight (h, h, 1, 1), bias (h,))."""
+    return None if weight is None else types.SimpleNamespace(weight=weight, bias=bias)
+
+
+def authors_attention(q, k, v, scale, weight=None, bias=None, eps=1e-5):
+    """The paper's formula as written, IN(softmax(Conv1x1(q k^T * scale))) @ v (softmax alone for one head):
+    an independent float64 reference."""
+    s = q @ k.transpose(-2, -1) * scale
+    if weight is None:
+        return s.softmax(-1) @ v
+    a = F.instance_norm(F.conv2d(s, weight, bias).softmax(-1), eps=eps)
+    return a @ v
+
+
+def _op(path, scale=0.4):
+    def run(q, k, v, w=None, bias=None):
+        return emsa_attention(q, k, v, scale, _conv(w, bias), 1e-5, path)
+    return run
+
+
+def _inputs(heads, n=63, nk=10, b=2, d=5, grad=True):
+    q, k, v = _qkv(b, heads, n, nk, d)
+    w = torch.randn(heads, heads, 1, 1, dtype=torch.float64) if heads > 1 else None
+    bias = torch.randn(heads, dtype=torch.float64) if heads > 1 else None
+    ts = [q, k, v] + ([w, bias] if heads > 1 else [])
+    return [t.requires_grad_(grad) for t in ts]
+
+
+# ---------------------------------------------------------------- fast paths vs the reference
+@pytest.mark.parametrize('heads', [1, 3])
+@pytest.mark.parametrize('rows', [1, 5, 63])
+def test_inference_pieces_match_reference(heads, rows):
+    """Pieces of 1, 5 (63 queries: a partial last piece) and all queries, batch 2, float64."""
+    inputs = _inputs(heads, grad=False)
+    piece = rows * 2 * heads * 10
+    assert_matches_reference(_op(Path(INFERENCE, piece)), _op(Path.reference()), inputs, grads=False)
+
+
+@pytest.mark.parametrize('heads', [1, 3])
+@pytest.mark.parametrize('rows', [1, 5])
+def test_train_function_matches_reference(heads, rows):
+    """`ChunkedEMSAAttention` (forward in pieces, backward recomputed piece by piece): values and gradients of
+    q, k, v and the conv's weight and bias (zero) in float64."""
+    inputs = _inputs(heads)
+    assert_matches_reference(_op(Path(TRAIN, rows * 2 * heads * 10)), _op(Path.reference()), inputs)
+
+
+def test_reference_matches_the_papers_formula():
+    inputs = _inputs(3)
+    assert_matches_reference(lambda q, k, v, w, b: authors_attention(q, k, v, 0.4, w, b),
+                             _op(Path.reference()), inputs, rtol=1e-9, atol=1e-11)
+
+
+# ---------------------------------------------------------------- the overflow guard of large logits
+def _peaked(heads=3):
+    """float64 inputs whose logits exceed exp's float64 range (709) on many rows."""
+    q, k, v = _qkv(2, heads, 37, 9, 4, q_std=40., k_std=12.)
+    w = torch.eye(heads, dtype=torch.float64)[..., None, None] + 0.1 * torch.randn(heads, heads, 1, 1,
+                                                                                 dtype=torch.float64)
+    bias = torch.randn(heads, dtype=torch.float64)
+    t = F.conv2d(q @ (k - k.mean(2, keepdim=True)).transpose(-2, -1) * 0.4, w)
+    assert (t.amax(-1) > 710).double().mean() > 0.2, 'the test needs logits beyond exp range'
+    return [x.requires_grad_() for x in (q, k, v, w, bias)]
+
+
+@pytest.mark.parametrize('path', [Path.reference(), Path(TRAIN, 2 * 3 * 9 * 5)])
+def test_train_paths_guard_large_logits(path):
+    """Autograd (the reference) and the train function, whose backward recomputes the map with autograd:
+    finite values and gradients equal to the paper's formula in float64."""
+    assert_matches_reference(_op(path), lambda q, k, v, w, b: authors_attention(q, k, v, 0.4, w, b),
+                             _peaked(), rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize('path', [Path(INFERENCE, None), Path(INFERENCE, 2 * 3 * 9 * 5)])
+def test_inference_paths_guard_large_logits(path):
+    """Without autograd (in-place steps, whole map or pieces): finite and equal to the paper's formula."""
+    assert_matches_reference(_op(path), lambda q, k, v, w, b: authors_attention(q, k, v, 0.4, w, b),
+                             _peaked(), rtol=1e-9, atol=1e-10, grads=False)
+
+
+# ---------------------------------------------------------------- autocast on CPU
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('heads', [1, 3])
+def test_fast_paths_under_autocast(dtype, heads):
+    """Inference pieces and the train function under CPU autocast with half inputs (as the layer's linears
+    give them) = the float32 reference to half precision; the train function's gradients too."""
+    q, k, v, *wb = [t.detach().float() for t in _inputs(heads)]
+    conv = _conv(*wb) if wb else None
+    ref = naive_emsa_attention(q, k, v, 0.4, conv)
+    tol = dict(rtol=0, atol=4 * torch.finfo(dtype).eps * ref.abs().max().item())
+    qh, kh, vh = (t.to(dtype) for t in (q, k, v))
+    with torch.autocast('cpu', dtype=dtype):
+        with torch.no_grad():
+            out = emsa_attention(qh, kh, vh, 0.4, conv, 1e-5, Path(INFERENCE, 2 * heads * 10 * 5))
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), ref, **tol)
+        qg = qh.detach().requires_grad_()
+        out = emsa_attention(qg, kh, vh, 0.4, conv, 1e-5, Path(TRAIN, 2 * heads * 10 * 5))
+        assert 'ChunkedEMSAAttention' in type(out.grad_fn).__name__
+        torch.testing.assert_close(out.float(), ref, **tol)
+        dout = torch.randn_like(ref)
+        (gq,) = torch.autograd.grad(out.float(), qg, dout)
+    qr = q.detach().requires_grad_()
+    (gq_ref,) = torch.autograd.grad(naive_emsa_attention(qr, k, v, 0.4, conv), qr, dout)
+    torch.testing.assert_close(gq.float(), gq_ref, rtol=0, atol=8 * torch.finfo(dtype).eps * gq_ref.abs().max())
+
+
+# ---------------------------------------------------------------- the layer's dispatch
+class _Calls:
+    """Records which of the op's fast implementations ran (wraps them in the op's namespace)."""
+
+    def __init__(self, monkeypatch):
+        self.names = []
+        inner = emsa_op.emsa_in_pieces
+        monkeypatch.setattr(emsa_op, 'emsa_in_pieces', lambda *a: self.names.append('inference') or inner(*a))
+        train = emsa_op.ChunkedEMSAAttention
+        monkeypatch.setattr(emsa_op, 'ChunkedEMSAAttention', types.SimpleNamespace(
+            apply=lambda *a: self.names.append('train') or train.apply(*a)))
+
+
+def _layer(devices=('cpu',), max_elems=50):
+    m = EMSA(12, 3, 2, qkv_bias=True).double()
+    set_memory_policy(m, MemoryPolicy(max_elems=max_elems, devices=devices))
+    return m
+
+
+@pytest.mark.parametrize('devices,pieces', [(('cpu',), True), (('cuda',), False)])
+def test_pieces_only_on_the_policys_devices(monkeypatch, devices, pieces):
+    """Inference and training take pieces on the policy's devices only: with devices=('cuda',) a CPU map is
+    computed whole (as a CUDA map is by default); the values are the same."""
+    calls = _Calls(monkeypatch)
+    m, x = _layer(devices), torch.randn(2, 9 * 7, 12, dtype=torch.float64)
+    ref = _layer(max_elems=None)
+    ref.load_state_dict(m.state_dict())
+    m.train()
+    ref.train()
+    out = m(x, (9, 7))
+    torch.testing.assert_close(out, ref(x, (9, 7)), rtol=1e-10, atol=1e-12)
+    out.sum().backward()
+    m.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(m(x, (9, 7)), ref(x, (9, 7)), rtol=1e-10, atol=1e-12)
+    assert calls.names == (['train', 'inference'] if pieces else [])
+
+
+def test_eval_with_grad_and_train_under_no_grad_take_the_reference(monkeypatch):
+    """Grad-CAM (eval mode, autograd recording) and a train-mode model under no_grad (dropout stays on):
+    whole maps through the reference; recompute=False in training too."""
+    calls = _Calls(monkeypatch)
+    m, x = _layer(), torch.randn(2, 9 * 7, 12, dtype=torch.float64, requires_grad=True)
+    m.eval()
+    m(x, (9, 7)).sum().backward()
+    assert x.grad.abs().sum() > 0
+    m.train()
+    with torch.no_grad():
+        m(x, (9, 7))
+    m.recompute = False
+    m(x, (9, 7)).sum().backward()
+    assert calls.names == []
+
+
+def test_attention_dropout_in_training_takes_the_reference(monkeypatch):
+    calls = _Calls(monkeypatch)
+    m = EMSA(12, 3, 2, qkv_bias=True, attn_drop=0.5)
+    set_memory_policy(m, MemoryPolicy(max_elems=50))
+    x = torch.randn(2, 9 * 7, 12)
+    a, b = m.train()(x, (9, 7)), m(x, (9, 7))
+    assert calls.names == [] and not torch.equal(a, b)
+
+
+def test_state_dict_keys():
+    assert sorted(EMSA(12, 3, 2, qkv_bias=True).state_dict()) == sorted(
+        ['q.weight', 'q.bias', 'kv.weight', 'kv.bias', 'proj.weight', 'proj.bias', 'sr.weight', 'sr.bias',
+         'sr_norm.weight', 'sr_norm.bias', 'transform_conv.weight', 'transform_conv.bias'])

@@ -1,0 +1,147 @@
+"""`ops.linear_attention`: L2ViT's linear attention, its train function (closed-form backward) and its
+inference in pieces of tokens against the reference (the authors' order of operations), and the dispatch of
+the `LinearAttention` layer."""
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+
+import mmplugin_l2.models.ops.linear_attention as la_op
+from mmplugin_l2.models.layers import LinearAttention
+from mmplugin_l2.models.ops import INFERENCE, TRAIN, Path
+from mmplugin_l2.models.ops.linear_attention import (LinearAttentionCore, linear_attention,
+                                                     linear_attention_reference)
+from mmplugin_l2.models.ops.memory import MemoryPolicy, set_memory_policy
+from ops.harness import assert_matches_reference
+
+
+def explicit(q, k, v, t, clamp_min):
+    """The attention matrix written out, per query: out_i = sum_j (Q_i . K_j) v_j t / max(sum_j Q_i . K_j, c)."""
+    a = q.relu() @ k.relu().transpose(-2, -1)
+    return (a @ v) * t / a.sum(-1, keepdim=True).clamp_min(clamp_min)
+
+
+def _qkvt(b=2, heads=2, n=45, d=5, scale=3.):
+    """Inputs where the clamp (100 / scale^2 here) binds for some queries and not for others."""
+    q, k, v = (torch.randn(b, heads, n, d, dtype=torch.float64) * scale for _ in range(3))
+    t = torch.randn(heads, 1, 1, dtype=torch.float64)
+    den = q.relu() @ k.relu().sum(2, keepdim=True).transpose(-2, -1)
+    assert 0.1 < (den < 100).double().mean() < 0.9, 'the test needs both kinds of query'
+    return [x.requires_grad_() for x in (q, k, v, t)]
+
+
+def test_reference_is_the_explicit_matrix():
+    assert_matches_reference(lambda *a: linear_attention_reference(*a, 100.), lambda *a: explicit(*a, 100.),
+                             _qkvt())
+
+
+def test_train_function_matches_reference():
+    """`LinearAttentionCore` (closed-form backward): values and gradients of q, k, v, t in float64, an odd
+    number of tokens, batch 2, the clamp binding for part of the queries; inputs as strided views too."""
+    assert_matches_reference(lambda *a: LinearAttentionCore.apply(*a, 100.),
+                             lambda *a: linear_attention_reference(*a, 100.), _qkvt())
+    qkv = torch.randn(2, 45, 3, 2, 5, dtype=torch.float64, requires_grad=True) * 3
+
+    def views(fn):
+        return lambda x, t: fn(*(u.transpose(1, 2) for u in x.unbind(2)), t, 100.)
+    t = torch.randn(2, 1, 1, dtype=torch.float64, requires_grad=True)
+    assert_matches_reference(views(LinearAttentionCore.apply), views(linear_attention_reference), [qkv, t])
+
+
+def _layer_parts(c=12, heads=2):
+    qkv, proj, norm = nn.Linear(c, 3 * c).double(), nn.Linear(c, c).double(), nn.LayerNorm(c).double()
+    with torch.no_grad():
+        for p in (*qkv.parameters(), *proj.parameters(), *norm.parameters()):
+            p.normal_(0, 1)
+    return qkv, proj, norm, torch.randn(heads, 1, 1, dtype=torch.float64)
+
+
+@pytest.mark.parametrize('tokens', [1, 7, 45])
+@pytest.mark.parametrize('fp32_reduce', [True, False])
+@pytest.mark.parametrize('with_norm', [True, False])
+def test_inference_pieces_match_reference(tokens, fp32_reduce, with_norm):
+    """Pieces of 1, 7 (45 tokens: a partial last piece) and all tokens, with and without the pre-norm."""
+    qkv, proj, norm, t = _layer_parts()
+    x = torch.randn(2, 45, 12, dtype=torch.float64) * 3
+
+    def run(path):
+        return lambda x: linear_attention(path, x, qkv, proj, t, 2, 100., fp32_reduce, norm if with_norm else None)
+    assert_matches_reference(run(Path(INFERENCE, tokens * 2 * 12)), run(Path.reference()), [x], grads=False)
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('fp32_reduce', [True, False])
+def test_fast_paths_under_autocast(dtype, fp32_reduce):
+    """The inference pieces and the train function under CPU autocast = the float32 reference to half
+    precision (gradients of the train function too)."""
+    m = LinearAttention(16, 2, fp32_reduce=fp32_reduce)
+    with torch.no_grad():
+        m.temperature.uniform_(1, 2)
+    x = (torch.randn(2, 45, 16) * 3).requires_grad_()
+    set_memory_policy(m, MemoryPolicy(max_elems=None))
+    m.recompute = False
+    ref = m.train()(x)
+    dx_ref, = torch.autograd.grad(ref, x, ref.detach())
+    m.recompute = True
+    tol = 8 * torch.finfo(dtype).eps * ref.abs().max().item()
+    set_memory_policy(m, MemoryPolicy(max_elems=7 * 2 * 16))
+    with torch.autocast('cpu', dtype=dtype):
+        out = m(x)
+        dx, = torch.autograd.grad(out.float(), x, ref.detach())
+        with torch.no_grad():
+            low = m.eval()(x)
+    torch.testing.assert_close(low.float(), ref, rtol=0, atol=tol)
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=tol)
+    # relative L2: a query whose denominator lies at the clamp may switch sides in half precision
+    assert (dx.float() - dx_ref).norm() <= 8 * torch.finfo(dtype).eps * dx_ref.norm()
+
+
+# ---------------------------------------------------------------- the layer's dispatch
+def _recording(monkeypatch):
+    """The list of the op's fast implementations that run (wrapped in the op's namespace)."""
+    names = []
+    inner = la_op.linear_attention_in_pieces
+    monkeypatch.setattr(la_op, 'linear_attention_in_pieces', lambda *a: names.append('inference') or inner(*a))
+    monkeypatch.setattr(la_op, 'LinearAttentionCore', types.SimpleNamespace(
+        apply=lambda *a: names.append('train') or LinearAttentionCore.apply(*a)))
+    return names
+
+
+@pytest.mark.parametrize('devices,pieces', [(('cpu',), True), (('cuda',), False)])
+def test_pieces_only_on_the_policys_devices(monkeypatch, devices, pieces):
+    names = _recording(monkeypatch)
+    m = LinearAttention(16, 2).double().eval()
+    set_memory_policy(m, MemoryPolicy(max_elems=10, devices=devices))
+    x = torch.randn(2, 45, 16, dtype=torch.float64)
+    with torch.no_grad():
+        out = m(x)
+    torch.testing.assert_close(out, m(x).detach(), rtol=1e-10, atol=1e-12)   # eval with grad: the reference
+    assert names == (['inference'] if pieces else [])
+
+
+def test_train_eval_with_grad_and_train_under_no_grad(monkeypatch):
+    """Training takes `LinearAttentionCore` (recompute=False: plain autograd); Grad-CAM (eval mode, autograd
+    recording) and a train-mode model under no_grad take the reference, on whole maps."""
+    names = _recording(monkeypatch)
+    m = LinearAttention(16, 2).double()
+    set_memory_policy(m, MemoryPolicy(max_elems=10))
+    x = torch.randn(2, 45, 16, dtype=torch.float64, requires_grad=True)
+    m.train()(x)
+    assert names == ['train']
+    m.recompute = False
+    m(x)
+    m.recompute = True
+    m.eval()(x).sum().backward()
+    with torch.no_grad():
+        m.train()(x)
+    assert names == ['train'] and x.grad.abs().sum() > 0
+    m.fp32_reduce = False     # the train function does not take autocast's mixed dtypes: the reference
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        m.float()(x.detach().float().requires_grad_()).float().sum().backward()
+    assert names == ['train']
+
+
+def test_state_dict_keys():
+    assert sorted(LinearAttention(16, 2).state_dict()) == ['proj.bias', 'proj.weight', 'qkv.bias', 'qkv.weight',
+                                                           'temperature']
