@@ -18,8 +18,8 @@ Differences from the authors' code, each one documented here:
   them in the main path, so the normalised map also feeds the next stage, and a stage's features then depend
   on which earlier stages are returned (Mask R-CNN and RetinaNet differ). `norm_in_path=True` reproduces it.
   Either way the stage-4 norm `norm3` takes the pretrained final `norm`.
-* Training memory (`recompute`). Large attention maps are processed in query chunks, with recomputation in
-  backward and exact full-map instance-norm statistics (`layers/emsa.py`, chunk size from `memory_policy`);
+* Training memory (`recompute`). Large attention maps are processed in pieces of queries on the memory
+  policy's devices, recomputed in backward, with exact full-map instance-norm statistics (`ops/emsa`);
   the MLP branch keeps its input and fc1 output and recomputes LayerNorm and GELU (`mlp.NormMlpFunction`).
 * `frozen_stages`, `norm_eval`, `with_cp` follow OpenMMLab conventions. The authors' FREEZE_AT >= 1 raises.
 """
