@@ -80,7 +80,7 @@ class EMSA(nn.Module):
         q = self.q(x).reshape(b, n, h, c // h).permute(0, 2, 1, 3)
         if self.sr_ratio > 1:
             x = self.sr_norm(map_to_tokens(self.sr(tokens_to_map(x, hw_shape))))
-        k, v = self.kv(x).reshape(b, -1, 2, h, c // h).permute(2, 0, 3, 1, 4)
+        k, v = self.kv(x).reshape(b, -1, 2, h, c // h).permute(2, 0, 3, 1, 4).unbind(0)
         conv = self.transform_conv if self.apply_transform else None
         eps = self.transform_norm.eps if self.apply_transform else 1e-5
         if self.attn_drop.p > 0 and self.training:  # a random mask cannot be recomputed
