@@ -25,5 +25,5 @@ def config_path(rel):
     if not osp.isfile(path):
         raise FileNotFoundError(
             f'{rel} is not among the configs installed with mmplugin_l2 ({osp.dirname(path)}); '
-            'reinstall the package (`pip install -e .`) if configs/ was changed or .mim is missing')
+            'install it with `bash tools/install.sh` (docs/get_started.md#install) if .mim is missing')
     return path

@@ -72,10 +72,10 @@ def test_entry_matches_config(meta_path, entry):
 
 
 def test_installed_with_the_package():
-    """setup.py puts model-index.yml, configs/ and tools/ under mmplugin_l2/.mim (`pip install -e .`)."""
+    """setup.py puts model-index.yml, configs/ and tools/ under mmplugin_l2/.mim (tools/install.sh)."""
     import mmplugin_l2.config as pc
     mim = pc.mim_dir()
-    assert osp.isfile(osp.join(mim, 'model-index.yml')), f'{mim} is missing: reinstall with pip install -e .'
+    assert osp.isfile(osp.join(mim, 'model-index.yml')), f'{mim} is missing: run bash tools/install.sh'
     assert yaml.safe_load(open(osp.join(mim, 'model-index.yml'))) == INDEX
     for p in INDEX['Import']:
         assert osp.isfile(osp.join(mim, p))

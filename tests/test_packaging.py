@@ -93,3 +93,52 @@ def test_mim_search_lists_every_config():
     configs = {osp.relpath(p, ROOT) for fw in ('mmdet', 'mmseg', 'mmpretrain')
                for p in glob.glob(osp.join(ROOT, 'configs', fw, '*.py'))}
     assert configs and listed == configs, sorted(listed ^ configs)
+
+
+def _copy_tracked_files(dst):
+    """The repository as a fresh clone has it (git's tracked files), copied to `dst`."""
+    import shutil
+    files = subprocess.run(['git', 'ls-files', '-z'], cwd=ROOT, capture_output=True, check=True).stdout
+    for rel in files.decode().split('\0'):
+        if rel and osp.isfile(osp.join(ROOT, rel)) and not osp.islink(osp.join(ROOT, rel)):
+            os.makedirs(osp.dirname(osp.join(dst, rel)) or dst, exist_ok=True)
+            shutil.copy2(osp.join(ROOT, rel), osp.join(dst, rel))
+
+
+@pytest.mark.parametrize('setuptools_spec', ['setuptools', 'setuptools>=82'])
+def test_install_script_gives_mim_and_base_configs(tmp_path, setuptools_spec):
+    """tools/install.sh in a scratch venv (the stack from the system site, so only our install step is new), on a
+    copy of the repository, starting from the setuptools pip resolves and from the newest one (which has no
+    pkg_resources, needed by mim and mmengine): afterwards `mim search`, `_base_ = 'mmplugin_l2::...'` from a user
+    folder and `mim train mmplugin_l2 CONFIG` all find the copy's configs and tools."""
+    repo, venv, user = tmp_path / 'repo', tmp_path / 'venv', tmp_path / 'user'
+    _copy_tracked_files(repo)
+    subprocess.run([sys.executable, '-m', 'venv', '--system-site-packages', str(venv)], check=True)
+    py = str(venv / 'bin' / 'python')
+    env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'VIRTUAL_ENV')}
+    env['PATH'] = f'{venv / "bin"}:{env["PATH"]}'
+    subprocess.run([py, '-m', 'pip', 'install', '-q', '-U', setuptools_spec], check=True, env=env, timeout=300)
+    r = subprocess.run(['bash', str(repo / 'tools' / 'install.sh'), '--force'], env=dict(env, PYTHON=py),
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+    user.mkdir()
+    r = subprocess.run([py, '-m', 'mim', 'search', 'mmplugin_l2', '--field', 'config'], cwd=str(user), env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    listed = {ln.split()[1] for ln in r.stdout.splitlines() if ln.startswith('config ') and ln.split()[1] != 'id:'}
+    assert len(listed) == len(list((repo / 'configs').glob('mm*/*.py'))) > 0
+
+    (user / 'my_config.py').write_text("_base_ = 'mmplugin_l2::mmdet/mask_rcnn_l2vit_t_1x.py'\n")
+    code = ("import mmplugin_l2, os.path as osp; from mmengine.config import Config; "
+            "c = Config.fromfile('my_config.py'); print(c.model.backbone.type, osp.dirname(mmplugin_l2.__file__))")
+    r = subprocess.run([py, '-c', code], cwd=str(user), env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    btype, pkg = r.stdout.split()[-2:]
+    assert btype == 'L2ViT' and osp.samefile(pkg, repo / 'mmplugin_l2')
+
+    # mim runs <location>/mmplugin_l2/.mim/tools/train.py, i.e. the copy's tools/train.py (its --help, no training)
+    r = subprocess.run([py, '-m', 'mim', 'train', 'mmplugin_l2', 'configs/demo/mask_rcnn_hvit3_t_demo.py',
+                        '--gpus', '0', '-y', '--', '--help'], cwd=str(user), env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and '--cfg-options' in r.stdout and '--resume' in r.stdout, r.stdout[-2000:] + r.stderr

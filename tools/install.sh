@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# Installs the stack mmplugin_l2 is tested on, then the plugin itself (editable), unless it is installed already.
+# Installs the stack mmplugin_l2 is tested on, then the plugin itself (a development install
+# of this checkout), unless it is installed already.
 #
 #   bash tools/install.sh [--force]        (PYTHON=/path/to/python to pick the interpreter)
 #
 #   torch 2.14.1 / torchvision 0.29.1 (a torch you already have is kept), mmengine 0.10.7,
 #   mmcv 2.1.0 with compiled ops, mmdet 3.3.0, mmsegmentation 1.2.2, mmpretrain 1.2.0, pycocotools,
-#   onnx / onnxruntime / onnxscript (ONNX export), openmim, pytest, pyyaml.
+#   onnx / onnxruntime / onnxscript (ONNX export), openmim, pytest, pyyaml; then this checkout as a development
+#   install that `mim search / train / test mmplugin_l2` and `_base_ = 'mmplugin_l2::...'` find.
 #
 # "Installed" (checked in a few seconds, then nothing is done; --force reinstalls): mmdet, mmseg, mmpretrain,
-# mmcv 2.1.0 with mmcv.ops, onnxruntime, pycocotools, mim and pytest import, and `import mmplugin_l2` finds
-# this checkout (not another copy). tools/demo.sh and tools/run_tests.sh call this script first.
+# mmcv 2.1.0 with mmcv.ops, onnxruntime, pycocotools, mim and pytest import, `import mmplugin_l2` finds
+# this checkout (not another copy) and so does mim (the distribution's location). tools/demo.sh and
+# tools/run_tests.sh call this script first.
 #
 # mmcv 2.1.0 has no wheel for current torch on PyPI, so pip builds it from source (~15 min on 2 cores).
 # The build needs: no build isolation (it imports torch), MMCV_WITH_OPS=1, setuptools that still ships
@@ -29,6 +32,12 @@ import mmplugin_l2
 assert mmcv.__version__ == '2.1.0', mmcv.__version__
 assert osp.samefile(osp.dirname(mmplugin_l2.__file__), osp.join(sys.argv[1], 'mmplugin_l2'))
 assert osp.isfile(osp.join(sys.argv[1], 'mmplugin_l2', '.mim', 'model-index.yml'))
+# where mim and mmengine (`mmplugin_l2::`) look for the configs: the distribution's location
+import warnings
+with warnings.catch_warnings():
+    warnings.simplefilter('ignore')
+    import pkg_resources
+assert osp.samefile(pkg_resources.get_distribution('mmplugin_l2').location, sys.argv[1])
 PY
   )
 }
@@ -61,16 +70,29 @@ if ! "$PY" -c "import mmcv, mmcv.ops; assert mmcv.__version__ == '2.1.0'" 2>/dev
 else
   echo "[install 2/3] mmcv 2.1.0 with ops: installed"
 fi
-echo "[install 3/3] mmdet, mmseg, mmpretrain, onnx, openmim and mmplugin_l2 (editable)..."
+echo "[install 3/3] mmdet, mmseg, mmpretrain, onnx, openmim and mmplugin_l2 (development install of this checkout)..."
 "$PY" -m pip install 'mmdet==3.3.0' 'mmsegmentation==1.2.2' 'mmpretrain==1.2.0'
 # ONNX export and its checks (tools/deployment/, docs/deployment.md)
 "$PY" -m pip install onnx onnxruntime onnxscript openmim
 # Grad-CAM (docs/visualization.md): mmpretrain's tools/visualization/vis_cam.py needs grad-cam < 1.5
 "$PY" -m pip install 'grad-cam>=1.3.6,<1.5'
-# A legacy (egg-link) editable install: the package's location is then this checkout, where `mim search` /
-# `mim train mmplugin_l2` find mmplugin_l2/.mim/model-index.yml (with setuptools' newer editable wheels mim
-# looks for it in site-packages and fails).
-SETUPTOOLS_ENABLE_FEATURES=legacy-editable "$PY" -m pip install --no-build-isolation --no-deps -e "$here"
+# mmplugin_l2 itself, as a development install that mim and mmengine can find: the distribution's metadata
+# (mmplugin_l2.egg-info, from `setup.py egg_info`) lives in the checkout, site-packages holds an egg-link to it
+# and the checkout on sys.path (easy-install.pth), and mmplugin_l2/.mim links configs/, tools/ and
+# model-index.yml. mim and mmengine look for `<location of the distribution>/mmplugin_l2/.mim`, which is then
+# this checkout; with pip's editable installs (PEP 660) the location is site-packages, where there is no .mim.
+# Edits in the checkout are seen at once; `pip uninstall mmplugin_l2` removes it.
+"$PY" -m pip uninstall -y mmplugin_l2 >/dev/null 2>&1 || true      # a former pip install (editable or not)
+(cd "$here" && "$PY" setup.py -q egg_info >/dev/null)
+mkdir -p "$here/mmplugin_l2/.mim"
+for f in configs tools model-index.yml; do
+  rm -rf "$here/mmplugin_l2/.mim/$f"
+  ln -s "../../$f" "$here/mmplugin_l2/.mim/$f"
+done
+site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+printf '%s\n.\n' "$here" > "$site/mmplugin_l2.egg-link"
+touch "$site/easy-install.pth"
+grep -qxF "$here" "$site/easy-install.pth" || echo "$here" >> "$site/easy-install.pth"
 if ! stack_installed; then
   echo "[install] the stack does not import after installing; see the pip output above" >&2
   exit 1
