@@ -1,9 +1,39 @@
-"""The documentation resolves: every relative link in README.md, CHANGELOG.md and docs/*.md points to a file of the
-repository (and, for links into a Markdown page, to one of its headings); every `docs/...` path cited in code,
-configs, tests and tools exists; nothing cites files outside the repository."""
+"""The documentation resolves and its commands run.
+
+Links: every relative link in README.md, CHANGELOG.md and docs/*.md points to a file of the repository (and, for
+links into a Markdown page, to one of its headings); every `docs/...` path cited in code, configs, tests and tools
+exists; nothing cites files outside the repository.
+
+Commands: every ```bash block of README.md and docs/*.md is read line by line (comments dropped, `\\` continuations
+joined, `VAR=value` prefixes and earlier `A="..."` assignments of the block applied) and each command is checked
+without running it:
+
+* `python SCRIPT ARGS`: the script exists (in the repository, run from its root), and the script's own argparse
+  parser (captured when its `parse_args` / `main` calls `parse_args`) accepts ARGS exactly as written;
+* `bash SCRIPT ARGS`: the script exists and `bash -n` parses it;
+* `mim train|test PKG CONFIG ARGS`: the package is installed, mim finds its tools/train.py / test.py
+  (`<pkg>/.mim/tools/` or `<pkg>/tools/`), and that tool's parser accepts CONFIG ARGS; `mim run PKG [DOMAIN:]CMD
+  ARGS`: mim finds exactly one script for CMD and its parser accepts ARGS; `mim search PKG`: PKG is installed;
+* `pip install -e .[EXTRA]`: setup.py declares EXTRA;
+* every config named (`configs/....py`, `mmdet::....py`) exists and loads with `Config.fromfile`;
+* `git`, `wget`, `mkdir`, `cd`, `export` lines: nothing is checked beyond the above (their arguments are the user's).
+
+A block whose lines show a tool's usage with placeholders (CONFIG, CKPT, `[--opt ...]`) rather than a command to run
+is marked by the HTML comment `<!-- docs-test: synopsis -->` on the line before its fence; for it only the scripts
+(they exist) and the option names (each `--opt` is one the tool's parser knows) are checked. Blocks in other
+languages (```python, ```text, unlabelled) are not commands.
+"""
+import argparse
+import contextlib
 import glob
+import importlib.util
+import io
 import os.path as osp
 import re
+import shlex
+import subprocess
+import sys
+from unittest import mock
 
 import pytest
 
@@ -87,3 +117,258 @@ def test_nothing_cites_files_outside_the_repository():
 def test_readme_is_short():
     n = len(open(osp.join(ROOT, 'README.md'), encoding='utf-8').read().splitlines())
     assert n <= 200, f'README.md has {n} lines; the details belong in docs/'
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The commands of the pages
+SHELL_LANGS = ('bash', 'sh', 'shell')
+SYNOPSIS = '<!-- docs-test: synopsis -->'
+FENCE = re.compile(r'^```(\w*)[^\n]*\n(.*?)^```', re.S | re.M)
+PLAIN_COMMANDS = ('git', 'wget', 'mkdir', 'cd', 'export')
+
+
+def command_blocks():
+    """(page, line, synopsis, text) of every shell block of README.md and docs/*.md."""
+    for page in ['README.md'] + [p for p in PAGES if p.startswith('docs/')]:
+        text = open(osp.join(ROOT, page), encoding='utf-8').read()
+        for m in FENCE.finditer(text):
+            if m.group(1) not in SHELL_LANGS:
+                continue
+            before = text[:m.start()].rstrip('\n').rsplit('\n', 1)[-1].strip()
+            yield page, text[:m.start()].count('\n') + 1, before == SYNOPSIS, m.group(2)
+
+
+def split_commands(block, synopsis=False):
+    """The commands of a block: comments dropped, continuations joined, `&&` / `;` split (a synopsis: one command
+    a line, split at white space, its `|` and brackets kept)."""
+    joined = re.sub(r'\\\n', ' ', block)
+    cmds = []
+    for line in joined.splitlines():
+        if synopsis:
+            toks = re.sub(r'(^|\s)#.*', '', line).split()
+            if toks:
+                cmds.append(toks)
+            continue
+        try:
+            lex = shlex.shlex(line, posix=True, punctuation_chars=';&|')
+            lex.whitespace_split = True
+            lex.commenters = '#'
+            toks = list(lex)
+        except ValueError as err:
+            raise AssertionError(f'cannot split {line!r}: {err}')
+        cur = []
+        for tok in toks:
+            if tok in (';', '&&', '||', '|', '&'):
+                if cur:
+                    cmds.append(cur)
+                cur = []
+            else:
+                cur.append(tok)
+        if cur:
+            cmds.append(cur)
+    return cmds
+
+
+class _Captured(Exception):
+    pass
+
+
+_PARSERS = {}
+
+
+def tool_parser(script):
+    """The argparse parser a script builds, captured at its `parse_args` call (the script is imported, not run)."""
+    script = osp.realpath(script)
+    if script not in _PARSERS:
+        name = '_docs_tool_' + re.sub(r'\W', '_', osp.relpath(script, '/'))
+        spec = importlib.util.spec_from_file_location(name, script)
+        mod = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, osp.dirname(script))
+        try:
+            spec.loader.exec_module(mod)
+        finally:
+            sys.path.remove(osp.dirname(script))
+        captured = []
+
+        def capture(self, args=None, namespace=None):
+            captured.append(self)
+            raise _Captured
+
+        entry = getattr(mod, 'parse_args', None) or getattr(mod, 'main')
+        with mock.patch.object(argparse.ArgumentParser, 'parse_args', capture), \
+                mock.patch.object(sys, 'argv', [script]):
+            try:
+                entry()
+            except _Captured:
+                pass
+        assert captured, f'{script}: no argparse parser found (parse_args / main did not call parse_args)'
+        _PARSERS[script] = captured[0]
+    return _PARSERS[script]
+
+
+def parser_accepts(script, args):
+    """'' when the script's parser accepts args as they are, else argparse's message."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            tool_parser(script).parse_args(args)
+    except SystemExit as e:
+        if e.code:
+            return err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else f'exit {e.code}'
+    return ''
+
+
+def unknown_options(script, args):
+    known = tool_parser(script)._option_string_actions
+    return [a for a in args if a.startswith('--') and a.split('=')[0].strip('[]|.') not in known
+            and a.strip('[]|.') != '--']
+
+
+def check_config(path):
+    from mmengine.config import Config
+    if '::' in path:  # an installed library's config: <pkg>/.mim/configs/<rest>
+        pkg, _, rest = path.partition('::')
+        spec = importlib.util.find_spec(pkg)
+        if spec is None:
+            return f'config {path}: package {pkg} is not installed'
+        full = osp.join(osp.dirname(spec.origin), '.mim', 'configs', rest)
+    else:
+        full = osp.join(ROOT, path)
+    if not osp.exists(full):
+        return f'config {path} does not exist ({full})'
+    try:
+        Config.fromfile(full)
+    except Exception as err:  # noqa: BLE001 -- any failure to load is the finding
+        return f'config {path} does not load: {type(err).__name__}: {str(err).splitlines()[0][:200]}'
+    return ''
+
+
+def mim_script(pkg, command):
+    """The script `mim train|test|run PKG COMMAND` runs, or an error string."""
+    from mim.utils import get_installed_path
+    try:
+        root = get_installed_path(pkg)
+    except Exception as err:  # noqa: BLE001
+        return None, f'mim: package {pkg} not installed ({err})'
+    domain, _, name = command.rpartition(':')
+    hits = []
+    for tools in (osp.join(root, '.mim', 'tools'), osp.join(root, 'tools')):
+        if osp.isdir(tools):
+            for p in glob.glob(osp.join(tools, '**', name + '.py'), recursive=True):
+                if osp.relpath(osp.dirname(p), tools).replace(osp.sep, ':').strip('.') == domain.strip('.') \
+                        or (not domain and command in ('train', 'test') and osp.dirname(p) == tools) \
+                        or (not domain and command not in ('train', 'test')):
+                    hits.append(p)
+            if hits:
+                break
+    if command in ('train', 'test'):
+        hits = [p for p in hits if osp.basename(osp.dirname(p)) == 'tools']
+    if len(hits) != 1:
+        return None, f'mim: {len(hits)} scripts for {pkg} {command} ({hits}); name it DOMAIN:{name}'
+    return hits[0], ''
+
+
+def installed(pkg):
+    from importlib.metadata import PackageNotFoundError, distribution
+    try:
+        distribution(pkg)
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+def check_command(cmd, synopsis, env):
+    """The problems of one command (a list of tokens)."""
+    while cmd and re.match(r'^[A-Za-z_][A-Za-z0-9_]*=', cmd[0]):
+        k, _, v = cmd[0].partition('=')
+        env[k] = v
+        cmd = cmd[1:]
+    if not cmd:
+        return []
+    # $VAR of an assignment earlier in the block
+    cmd = [t for tok in cmd for t in (shlex.split(env[tok[1:]]) if tok.startswith('$') and tok[1:] in env
+                                      else [tok])]
+    prog, args = cmd[0], cmd[1:]
+    problems = []
+    configs = [a for a in args if re.match(r'^(configs/|\w+::).*\.py$', a)]
+    if not synopsis:
+        problems += [p for p in map(check_config, configs) if p]
+    if prog == 'python':
+        script = args[0]
+        path = osp.join(ROOT, script)
+        if not osp.isfile(path):
+            return problems + [f'no script {script} (commands run from the repository root)']
+        if synopsis:
+            bad = unknown_options(path, args[1:])
+            return problems + ([f'{script}: options its parser does not know: {bad}'] if bad else [])
+        msg = parser_accepts(path, args[1:])
+        return problems + ([f'{script} rejects the arguments: {msg}'] if msg else [])
+    if prog == 'bash':
+        path = osp.join(ROOT, args[0])
+        if not osp.isfile(path):
+            return problems + [f'no script {args[0]}']
+        r = subprocess.run(['bash', '-n', path], capture_output=True, text=True)
+        return problems + ([f'{args[0]}: bash -n: {r.stderr.strip()}'] if r.returncode else [])
+    if prog == 'mim':
+        sub, pkg, rest = args[0], args[1], args[2:]
+        if sub in ('search', 'list', 'install', 'uninstall', 'download'):
+            return problems + ([] if installed(pkg) else [f'mim {sub}: {pkg} is not installed'])
+        if sub == 'run':
+            script, err = mim_script(pkg, rest[0])
+            rest = rest[1:]
+        elif sub in ('train', 'test'):
+            script, err = mim_script(pkg, sub)
+            if sub == 'test' and '--checkpoint' in rest:  # mim's option, passed on as the tool's positional
+                i = rest.index('--checkpoint')
+                rest = rest[:1] + [rest[i + 1]] + rest[1:i] + rest[i + 2:]
+            rest = [a for a in rest if not a.startswith(('--gpus', '--launcher'))]
+        else:
+            return problems + [f'mim {sub}: not a command this test knows']
+        if err:
+            return problems + [err]
+        if synopsis:
+            bad = unknown_options(script, rest)
+            return problems + ([f'mim {sub} {pkg}: options its tool does not know: {bad}'] if bad else [])
+        msg = parser_accepts(script, rest)
+        return problems + ([f'mim {sub} {pkg} ({script}) rejects the arguments: {msg}'] if msg else [])
+    if prog == 'pip':
+        for a in args:
+            m = re.match(r'^\.\[([\w,-]+)\]$', a)
+            if m:
+                setup = open(osp.join(ROOT, 'setup.py'), encoding='utf-8').read()
+                for extra in m.group(1).split(','):
+                    if not re.search(rf"['\"]{re.escape(extra)}['\"]\s*[:\]]", setup) and \
+                            not re.search(rf"\b{re.escape(extra)}\s*=", setup):
+                        problems.append(f'pip: setup.py declares no extra [{extra}]')
+        return problems
+    if prog in PLAIN_COMMANDS:
+        return problems
+    return problems + [f'{prog}: a command this test does not know (python, bash, mim, pip, {PLAIN_COMMANDS})']
+
+
+BLOCKS = list(command_blocks())
+
+
+@pytest.mark.parametrize('page,line,synopsis,block', BLOCKS, ids=[f'{p}:{n}' for p, n, _, _ in BLOCKS])
+def test_commands_of_the_docs_run(page, line, synopsis, block):
+    env = {}
+    problems = []
+    for cmd in split_commands(block, synopsis):
+        for p in check_command(cmd, synopsis, env):
+            problems.append(f'{" ".join(cmd)[:120]}: {p}')
+    assert not problems, f'{page}:{line}:\n' + '\n'.join(problems)
+
+
+def test_command_checker_catches_what_it_should():
+    """The checker itself: a missing script, an option the parser does not know, a wrong number of positionals,
+    a config that does not exist, a library tool at a path that does not exist."""
+    env = {}
+    assert check_command(['python', 'tools/train.py', 'configs/demo/mask_rcnn_hvit3_t_demo.py'], False, env) == []
+    assert check_command(['python', 'mmdet/tools/train.py', 'x.py'], False, env)
+    assert check_command(['python', 'tools/train.py', 'configs/demo/mask_rcnn_hvit3_t_demo.py', '--nope'],
+                         False, env)
+    assert check_command(['python', 'tools/test.py', 'configs/demo/mask_rcnn_hvit3_t_demo.py'], False, env)
+    assert check_command(['python', 'tools/train.py', 'configs/mmdet/no_such_config.py'], False, env)
+    assert check_command(['python', 'tools/train.py', 'CONFIG', '--nope'], True, env)
+    assert check_command(['mim', 'run', 'mmseg', 'browse_dataset', 'x.py'], False, env)  # two scripts of that name
+    assert check_command(['pip', 'install', '-e', '.[nosuchextra]'], False, env)
