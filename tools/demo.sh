@@ -3,7 +3,7 @@
 # seconds when installed), generates the demo data, trains Mask R-CNN with an H-ViT3-T backbone on it, then
 # tests it and prints COCO box and mask AP. configs/demo/mask_rcnn_hvit3_t_demo.py is
 # configs/mmdet/mask_rcnn_hvit3_t_1x.py with only the data paths, image scale and schedule overridden.
-# ~15 min on 2 CPU cores (plus the install on a first run).
+# How long it takes and the AP it reaches: docs/get_started.md#demo.
 #
 #   bash tools/demo.sh [WORK_DIR] [extra tools/train.py args...]
 set -euo pipefail
