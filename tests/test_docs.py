@@ -219,7 +219,11 @@ def parser_accepts(script, args):
 
 
 def unknown_options(script, args):
-    known = tool_parser(script)._option_string_actions
+    parser = tool_parser(script)
+    for action in parser._actions:  # a sub-command (`tool.py run --opt`): that sub-parser's options
+        if isinstance(action, argparse._SubParsersAction) and args and args[0] in action.choices:
+            parser, args = action.choices[args[0]], args[1:]
+    known = parser._option_string_actions
     return [a for a in args if a.startswith('--') and a.split('=')[0].strip('[]|.') not in known
             and a.strip('[]|.') != '--']
 
@@ -370,5 +374,7 @@ def test_command_checker_catches_what_it_should():
     assert check_command(['python', 'tools/test.py', 'configs/demo/mask_rcnn_hvit3_t_demo.py'], False, env)
     assert check_command(['python', 'tools/train.py', 'configs/mmdet/no_such_config.py'], False, env)
     assert check_command(['python', 'tools/train.py', 'CONFIG', '--nope'], True, env)
+    assert not check_command(['python', 'tools/train.py', 'CONFIG', '[--amp]', '[--cfg-options', 'k=v', '...]'],
+                             True, env)
     assert check_command(['mim', 'run', 'mmseg', 'browse_dataset', 'x.py'], False, env)  # two scripts of that name
     assert check_command(['pip', 'install', '-e', '.[nosuchextra]'], False, env)
