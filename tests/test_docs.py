@@ -21,7 +21,10 @@ without running it:
 A block whose lines show a tool's usage with placeholders (CONFIG, CKPT, `[--opt ...]`) rather than a command to run
 is marked by the HTML comment `<!-- docs-test: synopsis -->` on the line before its fence; for it only the scripts
 (they exist) and the option names (each `--opt` is one the tool's parser knows) are checked. Blocks in other
-languages (```python, ```text, unlabelled) are not commands.
+languages (```python, ```text, unlabelled) are not commands. Commands quoted in the prose (a code span starting
+with `python `, `bash ` or `mim `) are checked as synopses; `a|b` alternatives of a mim span are checked each.
+Paths of data, checkpoints and outputs are the user's and are not checked; configs and scripts of the repository
+and of the installed libraries are.
 """
 import argparse
 import contextlib
@@ -351,6 +354,40 @@ def check_command(cmd, synopsis, env):
 
 
 BLOCKS = list(command_blocks())
+INLINE = re.compile(r'`((?:python|bash|mim) [^`]+)`')
+
+
+def inline_commands():
+    """(page, line, command) of every `python ...` / `bash ...` / `mim ...` code span in the prose."""
+    for page in ['README.md'] + [p for p in PAGES if p.startswith('docs/')]:
+        text = open(osp.join(ROOT, page), encoding='utf-8').read()
+        prose = FENCE.sub(lambda m: '\n' * m.group(0).count('\n'), text)
+        for m in INLINE.finditer(prose.replace('\n', ' ')):
+            yield page, prose[:m.start()].count('\n') + 1, m.group(1)
+
+
+def test_inline_commands_of_the_docs():
+    """Commands quoted in the prose are checked as synopses: the scripts exist, each option is one the tool knows,
+    the configs named exist and load."""
+    problems = []
+    for page, line, cmd in inline_commands():
+        toks = cmd.split()
+        if toks[0] == 'python' and toks[1] in ('-m', '-c'):
+            continue
+        if toks[0] == 'mim':  # `mim train`: a mention; `mim train|test mmdet|mmsegmentation`: each alternative
+            if len(toks) < 3:
+                continue
+            variants = [[toks[0], s, k] + toks[3:] for s in toks[1].split('|') for k in toks[2].split('|')]
+        else:
+            variants = [toks]
+        for v in variants:
+            for p in check_command(v, True, {}):
+                problems.append(f'{page}:{line}: `{cmd}`: {p}')
+        for c in (a for a in toks if re.match(r'^(configs/|\w+::).*\.py$', a)):
+            msg = check_config(c)
+            if msg:
+                problems.append(f'{page}:{line}: `{cmd}`: {msg}')
+    assert not problems, '\n'.join(problems)
 
 
 @pytest.mark.parametrize('page,line,synopsis,block', BLOCKS, ids=[f'{p}:{n}' for p, n, _, _ in BLOCKS])
