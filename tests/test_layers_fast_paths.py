@@ -13,8 +13,7 @@ import torch.nn as nn
 from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST, nbytes, saved_for_backward
 from mmplugin_l2 import HViT3, L2ViT, ResT, ViT3
 from mmplugin_l2.models.layers import (CPE, LCM, PA, Conv2dCL, ConvDownsample, ConvMlp, ConvStem, ConvStem2L,
-                                      L2ViTStem, MemoryPolicy, Mlp, ResTPatchEmbed, ResTStem, TTTAttention,
-                                      rope_tables, set_memory_policy)
+                                      L2ViTStem, MemoryPolicy, Mlp, ResTPatchEmbed, ResTStem, set_memory_policy)
 from mmplugin_l2.models.layers.bands import can_run_in_bands
 from mmplugin_l2.models.ops.memory import pre_norm
 
@@ -92,22 +91,6 @@ def test_lcm_row_bands(hw, rows):
     m = _random_(LCM(8))
     x = torch.randn(2, hw[0] * hw[1], 8, dtype=torch.float64)
     close(*paths(m, (x, hw), max_elems=2 * rows * hw[1] * 8, expect_pieces=hw[0] > 2 * rows))
-
-
-@pytest.mark.parametrize('with_rope', [True, False])
-@pytest.mark.parametrize('max_elems', [2 * 64 * 7, 2 * 64 * 30, None])
-def test_ttt_fused_inference(with_rope, max_elems):
-    """The fused TTT pass (chunks of 7 and 30 tokens, a partial last one, and one chunk) = ttt_core under
-    autograd; several heads, a conv head, inner updates large enough to matter."""
-    m = _random_(TTTAttention(64, 2), std=0.2)
-    hw = (9, 11)
-    x = torch.randn(2, hw[0] * hw[1], 64, dtype=torch.float64)
-    rot = rope_tables(*hw, 64, device='cpu') if with_rope else None
-    if rot is not None:
-        rot = rot.to(torch.complex128) if torch.is_complex(rot) else tuple(t.double() for t in rot)
-    fast, ref = paths(m, (x, hw, rot), max_elems or 10 ** 9, expect_pieces=max_elems is not None)
-    assert ref.abs().max() > 1
-    close(fast, ref)
 
 
 @pytest.mark.parametrize('cls,args,shape', [

@@ -1,0 +1,40 @@
+"""The TTT layer's op (H-ViT3 / ViT3): `reference` (the inner models on whole maps, plain autograd), `pieces`
+(inference in pieces of tokens, without autograd), `train` (`TTTCore`: closed-form backward, pieces of tokens).
+`ttt_attention` dispatches between them."""
+from ..dispatch import INFERENCE, TRAIN
+from .pieces import ttt_core_fused, ttt_core_pieces, ttt_inference
+from .reference import (dwconv_inner_grad, dwconv_per_sample, normalize_inner_grad, swiglu_inner_grads, tap_sums,
+                        ttt_core)
+from .train import TTTCore, ttt_core_backward
+
+__all__ = ['TTTCore', 'dwconv_inner_grad', 'dwconv_per_sample', 'normalize_inner_grad', 'swiglu_inner_grads',
+           'tap_sums', 'ttt_attention', 'ttt_core', 'ttt_core_backward', 'ttt_core_fused', 'ttt_core_pieces',
+           'ttt_inference']
+
+
+def ttt_attention(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, path):
+    """The TTT layer from tokens to tokens: proj(ttt_core(qkv(x))).
+
+    Args:
+        x (Tensor): tokens (B, N, C), N = H*W.
+        qkv (nn.Linear): C -> 3C + 3d.
+        proj (nn.Linear): C + d -> C.
+        rot (Tensor | tuple | None): the RoPE table of `rope_tables` for q1 and k1, or None.
+        w1 (Tensor): SwiGLU W1 (1, H, d, d).
+        w2 (Tensor): SwiGLU W2 (1, H, d, d).
+        w3 (Tensor): conv-head kernel (d, 1, 3, 3).
+        hw_shape (tuple[int, int]): the map's (H, W).
+        num_heads (int): SwiGLU heads H.
+        scale (float): the inner loss's scale.
+        lr (float): the inner learning rate.
+        path (Path): from `ops.dispatch.choose` (pieces in elements of (B, tokens, C)): 'inference' runs
+            `ttt_inference` (qkv and proj inside, piece by piece), 'train' `TTTCore`, else the reference.
+
+    Returns:
+        Tensor: (B, N, C).
+    """
+    if path.impl == INFERENCE:
+        return ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, path.piece)
+    args = (qkv(x), rot, w1, w2, w3, hw_shape, num_heads, scale, lr)
+    y = TTTCore.apply(*args, path.piece) if path.impl == TRAIN else ttt_core(*args)
+    return proj(y.to(proj.weight.dtype))

@@ -1,0 +1,164 @@
+"""The TTT core without autograd: the inference path (the whole layer, in pieces of tokens) and the forward
+of the train path (`train.TTTCore`, whole maps or pieces of tokens).
+
+Same maths as `reference.ttt_core`, with kernels that have no autograd formula: the SwiGLU derivative as
+one fused kernel (`aten.silu_backward`), outputs written into their channels (`out=`), q1 and k1 rotated
+by RoPE straight into contiguous heads (`rope_heads`). In pieces of tokens, two passes: the inner gradient
+k^T a is a sum over the pieces (values equal the whole map's up to that summation order, ~1e-7 relative in
+fp32), then the updated model is applied piece by piece; the conv head runs on the whole map (d channels).
+"""
+import torch
+import torch.nn.functional as F
+
+from ...layers.rope import apply_rope, rope_heads
+from .reference import (conv_head, fast_weights, heads, normalized_swiglu_grad, split_qkv, swiglu_dz,
+                        swiglu_grad_pair, swiglu_readout, token_sum_matmul)
+
+
+def _qkv_heads(q1, k1, v1, rot, num_heads):
+    """(B, N, C) q1, k1 (RoPE when `rot` is given) and v1 -> (B, H, N, d) heads; q1 and k1 written
+    contiguous, the layout their matrix products take without copying them first."""
+    if rot is not None:
+        return rope_heads(q1, rot, num_heads), rope_heads(k1, rot, num_heads), heads(v1, num_heads)
+    return tuple(heads(t, num_heads) for t in (q1, k1, v1))
+
+
+def ttt_core_fused(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
+    """`reference.ttt_core` on the whole map without autograd (the forward of `TTTCore`): qkv (B, N, 3C + 3d)
+    -> (B, N, C + d); the arguments are those of `reference.ttt_core`."""
+    b, n, _ = qkv.shape
+    h, w = hw_shape
+    d = w1.shape[-1]
+    c = num_heads * d
+    q1, k1, v1, q2, k2, v2 = split_qkv(qkv, num_heads, d)
+    q1, k1, v1 = _qkv_heads(q1, k1, v1, rot, num_heads)
+    w12 = fast_weights(torch.cat([w1, w2], dim=-1), k1)
+    w12 = w12 - (lr * swiglu_grad_pair(k1, v1, w12, scale, fused=True)).to(w12.dtype)
+    z = q1 @ w12
+    x2 = conv_head(*(t.unflatten(1, (h, w)) for t in (q2, k2, v2)), w3, scale, lr)
+    y = z.new_empty(b, n, c + d)       # both outputs written into their channels
+    swiglu_readout(z, out=heads(y[..., :c], num_heads))
+    y[..., c:] = x2
+    return y
+
+
+def ttt_pieces(cols, n, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, step, conv_tokens, target, emit):
+    """The TTT core without autograd over pieces of `step` tokens, two passes.
+
+    Pass 1, piece by piece: `cols(i0, i1, 'kv')`, the piece's [k1 | v1 | q2 | k2 | v2] columns
+    (B, s, 2C + 3d), RoPE on k1, and k1^T [a1 | a2] of the SwiGLU inner gradient, summed over the pieces;
+    the conv-head tokens [q2 | k2 | v2] (B, N, 3d) are `conv_tokens` or, when None, gathered from the pieces.
+    Then the conv head (whole map, d channels). Pass 2, piece by piece: `cols(i0, i1, 'q')` (B, s, C), RoPE,
+    the updated SwiGLU model and the conv-head output, written into `target(i0, i1, like)` (a (B, s, C + d)
+    tensor of `like`'s dtype), then `emit(i0, i1, y)`.
+
+    Args:
+        cols (callable): (i0, i1, 'kv' | 'q') -> the piece's qkv columns.
+        n (int): tokens N = H*W.
+        rot (Tensor | None): RoPE table (N, C/2) or None.
+        w1 (Tensor): SwiGLU W1 (1, H, d, d).
+        w2 (Tensor): SwiGLU W2 (1, H, d, d).
+        w3 (Tensor): conv-head kernel (d, 1, 3, 3).
+        hw_shape (tuple[int, int]): (H, W).
+        num_heads (int): H.
+        scale (float): the inner loss's scale.
+        lr (float): the inner learning rate.
+        step (int): tokens per piece.
+        conv_tokens (Tensor | None): (B, N, 3d) conv-head tokens, or None to gather them.
+        target (callable): (i0, i1, like) -> the (B, s, C + d) output view of a piece.
+        emit (callable): (i0, i1, y) -> None, called with each finished piece.
+    """
+    h, w = hw_shape
+    d = w1.shape[-1]
+    c = num_heads * d
+
+    def rope(t, i):
+        return apply_rope(t, rot[i:i + step]) if rot is not None else t
+
+    w12 = torch.cat([w1, w2], dim=-1)
+    g = None
+    gather = conv_tokens is None
+    for i in range(0, n, step):
+        kv = cols(i, min(n, i + step), 'kv')
+        if gather:
+            if conv_tokens is None:
+                conv_tokens = kv.new_empty(kv.shape[0], n, 3 * d)
+            conv_tokens[:, i:i + step] = kv[..., 2 * c:]
+        k1, v1 = heads(rope(kv[..., :c], i), num_heads), heads(kv[..., c:2 * c], num_heads)
+        if i == 0:
+            w12 = fast_weights(w12, k1)
+        part = token_sum_matmul(k1.transpose(-2, -1), swiglu_dz(k1 @ w12, v1, fused=True))
+        g = part if g is None else g.add_(part)
+    w12 = w12 - (lr * normalized_swiglu_grad(g, n, scale)).to(w12.dtype)
+
+    x2 = conv_head(*conv_tokens.unflatten(1, (h, w)).split([d, d, d], dim=-1), w3, scale, lr)
+    del conv_tokens
+
+    for i in range(0, n, step):
+        i1 = min(n, i + step)
+        z = heads(rope(cols(i, i1, 'q'), i), num_heads) @ w12
+        y = target(i, i1, z)
+        swiglu_readout(z, out=heads(y[..., :c], num_heads))
+        y[..., c:] = x2[:, i:i1]
+        emit(i, i1, y)
+
+
+def ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, piece=None):
+    """The whole TTT layer without autograd, tokens (B, N, C) -> (B, N, C), in pieces of `piece` / (B C)
+    tokens (None: one piece), so that no (B, N, >= C) temporary is built except the output: the qkv
+    columns of each pass (`ttt_pieces`: the k1 | v1 | q2 | k2 | v2 weight rows in the first, the q1 rows
+    in the second; every weight row applied once) and `proj` piece by piece.
+
+    Args:
+        x (Tensor): tokens (B, N, C).
+        qkv (nn.Linear): C -> 3C + 3d.
+        proj (nn.Linear): C + d -> C.
+        rot (Tensor | None): RoPE table (N, C/2) or None.
+        w1 (Tensor): SwiGLU W1 (1, H, d, d).
+        w2 (Tensor): SwiGLU W2 (1, H, d, d).
+        w3 (Tensor): conv-head kernel (d, 1, 3, 3).
+        hw_shape (tuple[int, int]): (H, W).
+        num_heads (int): H.
+        scale (float): the inner loss's scale.
+        lr (float): the inner learning rate.
+        piece (int | None): elements per piece (tokens x C, the batch included); None: whole map.
+
+    Returns:
+        Tensor: (B, N, C).
+    """
+    b, n, _ = x.shape
+    c = num_heads * w1.shape[-1]
+    step = n if piece is None else max(1, piece // (b * c))
+    rows = {'q': slice(None, c), 'kv': slice(c, None)}
+    out = []
+
+    def cols(i0, i1, part):
+        return F.linear(x[:, i0:i1], qkv.weight[rows[part]], None if qkv.bias is None else qkv.bias[rows[part]])
+
+    def emit(i0, i1, y):
+        y = proj(y.to(proj.weight.dtype))
+        if not out:
+            out.append(y.new_empty(b, n, y.shape[-1]))
+        out[0][:, i0:i1] = y
+
+    ttt_pieces(cols, n, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, step, None,
+               lambda i0, i1, z: z.new_empty(b, i1 - i0, c + w1.shape[-1]), emit)
+    return out[0]
+
+
+def ttt_core_pieces(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, piece):
+    """`reference.ttt_core` without autograd in pieces of `piece` / (B C) tokens (`ttt_pieces`): the forward
+    of `TTTCore` in the memory policy's pieces. qkv (B, N, 3C + 3d) -> (B, N, C + d)."""
+    b, n, _ = qkv.shape
+    c = num_heads * w1.shape[-1]
+    out = []
+
+    def target(i0, i1, z):
+        if not out:
+            out.append(z.new_empty(b, n, c + w1.shape[-1]))
+        return out[0][:, i0:i1]
+
+    ttt_pieces(lambda i0, i1, part: qkv[:, i0:i1, :c] if part == 'q' else qkv[:, i0:i1, c:], n, rot, w1, w2,
+               w3, hw_shape, num_heads, scale, lr, max(1, piece // (b * c)), qkv[..., 3 * c:], target,
+               lambda *_: None)
+    return out[0]

@@ -1,0 +1,302 @@
+"""`ops.ttt`: the TTT core of H-ViT3 / ViT3 (`reference.ttt_core`) against the inner models trained explicitly
+with autograd, its fast paths (inference in pieces of tokens, the fused whole-map forward, the train function
+`TTTCore` with its closed-form backward) against the reference, the batched depth-wise conv kernels against
+loops, and the dispatch of the `TTTAttention` layer."""
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mmplugin_l2.models.ops.ttt as ttt_op
+from mmplugin_l2.models.layers import TTTAttention, apply_rope, rope_tables
+from mmplugin_l2.models.ops import INFERENCE, TRAIN, Path
+from mmplugin_l2.models.ops.export import export_mode
+from mmplugin_l2.models.ops.memory import MemoryPolicy, set_memory_policy
+from mmplugin_l2.models.ops.ttt import (TTTCore, dwconv_inner_grad, dwconv_per_sample, swiglu_inner_grads,
+                                        tap_sums, ttt_attention, ttt_core, ttt_core_fused, ttt_core_pieces)
+from ops.harness import assert_matches_reference
+
+HW = (5, 7)          # odd height and width
+SCALE, LR = 1 / 3, 1.0
+
+
+def _rot(c, with_rope, hw=HW):
+    return rope_tables(*hw, c).to(torch.complex128) if with_rope else None
+
+
+def _core_inputs(b=2, nh=2, d=4, hw=HW, zero_values=False, grad=True):
+    """float64 qkv tokens (B, N, 3C + 3d) and inner weights large enough for the inner step to matter."""
+    g = torch.Generator().manual_seed(0)
+    c = nh * d
+    qkv = torch.randn(b, hw[0] * hw[1], 3 * c + 3 * d, generator=g, dtype=torch.float64)
+    if zero_values:      # the conv head's inner gradient of sample 1 has norm 0 (the normalisation's kink)
+        qkv[1, :, -d:] = 0
+    ws = [torch.randn(*s, generator=g, dtype=torch.float64) * .3 for s in ((1, nh, d, d), (1, nh, d, d), (d, 1, 3, 3))]
+    return [t.requires_grad_(grad) for t in (qkv, *ws)]
+
+
+def _core(fn, rot, nh, hw=HW):
+    return lambda qkv, w1, w2, w3: fn(qkv, rot, w1, w2, w3, hw, nh, SCALE, LR)
+
+
+# ---------------------------------------------------------------- the reference against explicit inner training
+def explicit_core(qkv, rot, w1, w2, w3, hw, nh, scale, lr):
+    """Each inner model trained with autograd (create_graph, so that the outer gradient flows), sample by
+    sample and head by head, then applied to the queries: an independent float64 reference."""
+    b, n, _ = qkv.shape
+    d = w1.shape[-1]
+    c = nh * d
+    q1, k1, v1, q2, k2, v2 = qkv.split([c, c, c, d, d, d], -1)
+    if rot is not None:
+        q1, k1 = apply_rope(q1, rot), apply_rope(k1, rot)
+    outs = []
+    for i in range(b):
+        per_head = []
+        for hd in range(nh):
+            sl = slice(hd * d, (hd + 1) * d)
+            W1, W2 = w1[0, hd], w2[0, hd]
+            loss = -((k1[i, :, sl] @ W1) * F.silu(k1[i, :, sl] @ W2) * v1[i, :, sl]).sum() * scale / n
+            g1, g2 = torch.autograd.grad(loss, (W1, W2), create_graph=True)
+            W1 = W1 - lr * g1 / (g1.norm(dim=0, keepdim=True) + 1)
+            W2 = W2 - lr * g2 / (g2.norm(dim=0, keepdim=True) + 1)
+            per_head.append((q1[i, :, sl] @ W1) * F.silu(q1[i, :, sl] @ W2))
+        kk, vv, qq = (t[i].T.reshape(1, d, *hw) for t in (k2, v2, q2))
+        loss = -(F.conv2d(kk, w3, padding=1, groups=d) * vv).sum() * scale / n
+        (g3,) = torch.autograd.grad(loss, w3, create_graph=True)
+        W3 = w3 - lr * g3 / (g3.norm(dim=(-2, -1), keepdim=True) + 1)
+        per_head.append(F.conv2d(qq, W3, padding=1, groups=d).reshape(d, n).T)
+        outs.append(torch.cat(per_head, -1))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize('nh,d,with_rope', [(2, 4, True), (4, 3, True), (2, 4, False)])
+def test_reference_equals_explicit_inner_training(nh, d, with_rope):
+    """Values and gradients (qkv, W1, W2, w3), batch 2, odd map, head width 3 (RoPE pairs across heads)."""
+    inputs = _core_inputs(nh=nh, d=d)
+    rot = _rot(nh * d, with_rope)
+    assert_matches_reference(_core(ttt_core, rot, nh), _core(explicit_core, rot, nh), inputs, rtol=1e-9, atol=1e-11)
+
+
+def test_reference_at_a_zero_inner_gradient():
+    """An all-zero value map (inner gradient 0): values and gradients equal the explicit training's."""
+    rot = _rot(8, True)
+    assert_matches_reference(_core(ttt_core, rot, 2), _core(explicit_core, rot, 2), _core_inputs(zero_values=True),
+                             rtol=1e-9, atol=1e-11)
+
+
+# ---------------------------------------------------------------- fast paths against the reference
+@pytest.mark.parametrize('with_rope', [True, False])
+@pytest.mark.parametrize('tokens', [1, 4, 35, None])      # 35 tokens: a partial last piece of 4
+def test_forward_without_autograd_matches_reference(with_rope, tokens):
+    """The train function's forward (`ttt_core_pieces`, whole map: `ttt_core_fused`) without autograd."""
+    rot, b, c = _rot(8, with_rope), 2, 8
+    fast = ttt_core_fused if tokens is None else (
+        lambda *a: ttt_core_pieces(*a, piece=tokens * b * c))
+    assert_matches_reference(_core(fast, rot, 2), _core(ttt_core, rot, 2), _core_inputs(grad=False),
+                             rtol=1e-10, atol=1e-12, grads=False)
+
+
+@pytest.mark.parametrize('nh,d', [(2, 4), (4, 3)])
+@pytest.mark.parametrize('with_rope', [True, False])
+@pytest.mark.parametrize('tokens', [3, None])
+def test_train_function_matches_reference(nh, d, with_rope, tokens):
+    """`TTTCore` (forward without autograd; closed-form backward on whole maps and in pieces of 3 tokens, a
+    partial last piece): values and gradients of qkv, W1, W2 and w3 in float64."""
+    rot, b = _rot(nh * d, with_rope), 2
+    piece = None if tokens is None else tokens * b * nh * d
+    fast = lambda qkv, w1, w2, w3: TTTCore.apply(qkv, rot, w1, w2, w3, HW, nh, SCALE, LR, piece)
+    assert_matches_reference(fast, _core(ttt_core, rot, nh), _core_inputs(nh=nh, d=d), rtol=1e-10, atol=1e-12)
+
+
+def test_train_function_passes_gradcheck():
+    """The closed-form backward against finite differences, with the zero inner gradient of one sample."""
+    qkv, *ws = _core_inputs(hw=(4, 5), zero_values=True)
+    rot = rope_tables(4, 5, 8)
+    for piece in (None, 2 * 3 * 8):
+        assert torch.autograd.gradcheck(
+            lambda q, w1, w2, w3: TTTCore.apply(q, rot, w1, w2, w3, (4, 5), 2, SCALE, LR, piece), (qkv, *ws))
+
+
+def _layer(dim=8, heads=2, max_elems=None, devices=('cpu',), std=0.3):
+    torch.manual_seed(1)
+    m = TTTAttention(dim, heads).double()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, std)
+    set_memory_policy(m, MemoryPolicy(max_elems=max_elems, devices=devices))
+    return m
+
+
+@pytest.mark.parametrize('with_rope', [True, False])
+@pytest.mark.parametrize('tokens', [1, 4, None])
+def test_inference_pieces_match_reference(with_rope, tokens):
+    """`ttt_inference` (qkv columns, inner models and proj in pieces of tokens) = proj(ttt_core(qkv(x)))."""
+    m, b = _layer(), 2
+    rot = _rot(8, with_rope)
+    x = torch.randn(b, HW[0] * HW[1], 8, dtype=torch.float64)
+
+    def run(path):
+        return lambda x: ttt_attention(x, m.qkv, m.proj, rot, m.w1, m.w2, m.w3, HW, 2, SCALE, LR, path)
+
+    piece = None if tokens is None else tokens * b * 8
+    assert_matches_reference(run(Path(INFERENCE, piece)), run(Path.reference()), [x], grads=False)
+    assert run(Path.reference())(x).abs().max() > 1    # inner updates large enough to matter
+
+
+# ---------------------------------------------------------------- the batched depth-wise conv kernels
+def _maps(b=3, h=5, w=7, d=4, dtype=torch.float64):
+    """(B, H, W, d) channels-last maps as strided channel slices of one tensor, as the qkv split gives them."""
+    t = torch.randn(b, h, w, 3 * d, dtype=dtype)
+    return t[..., :d], t[..., d:2 * d], t[..., 2 * d:]
+
+
+def loop_tap_sums(k, v):
+    """sum_yx k_pad(y + dy, x + dx) v(y, x), one sample, channel and tap at a time."""
+    b, h, w, d = k.shape
+    kp = F.pad(k, (0, 0, 1, 1, 1, 1))
+    out = torch.zeros(b, d, 9, dtype=torch.float64)
+    for i in range(b):
+        for c in range(d):
+            for t in range(9):
+                out[i, c, t] = (kp[i, t // 3:t // 3 + h, t % 3:t % 3 + w, c].double() * v[i, :, :, c].double()).sum()
+    return out
+
+
+def loop_dwconv(x, weight):
+    """F.conv2d sample by sample, the kernels of each sample as their own depth-wise conv."""
+    b, h, w, d = x.shape
+    outs = [F.conv2d(x[i:i + 1].permute(0, 3, 1, 2), weight[i * d:(i + 1) * d], padding=1, groups=d) for i in range(b)]
+    return torch.cat(outs).permute(0, 2, 3, 1).reshape(b, h * w, d)
+
+
+@pytest.mark.parametrize('b,h,w', [(3, 5, 7), (1, 4, 1), (2, 1, 6)])
+@pytest.mark.parametrize('export', [False, True])
+def test_tap_sums_and_dwconv_equal_loops(b, h, w, export):
+    """One grouped conv (eager) and nine shifted products (export mode) = loops over batch, channels, taps;
+    gradients too (the reference differentiates through both)."""
+    k, v, q = _maps(b, h, w)
+    weight = torch.randn(b * 4, 1, 3, 3, dtype=torch.float64)
+    with export_mode() if export else torch.enable_grad():
+        assert_matches_reference(tap_sums, loop_tap_sums, [k.clone().requires_grad_(), v.clone().requires_grad_()])
+        assert_matches_reference(dwconv_per_sample, loop_dwconv, [q.clone().requires_grad_(), weight.requires_grad_()])
+
+
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
+def test_tap_sums_accumulate_in_fp32_for_half_maps(dtype):
+    """Sums over H*W beyond fp16's range stay finite: fp32 out, equal to the float64 loop to fp32 rounding."""
+    k, v, _ = (t.abs().mul(30).to(dtype) for t in _maps(2, 12, 11))
+    got = tap_sums(k, v)
+    assert got.dtype == torch.float32 and got.max() > 65504
+    torch.testing.assert_close(got.double(), loop_tap_sums(k, v), rtol=1e-5, atol=0)
+
+
+def test_swiglu_inner_grads_equal_autograd():
+    b, h, n, d = 2, 3, 20, 8
+    k, v = torch.randn(b, h, n, d, dtype=torch.float64), torch.randn(b, h, n, d, dtype=torch.float64)
+    w1 = torch.randn(1, h, d, d, dtype=torch.float64) * 0.3
+    w2 = torch.randn(1, h, d, d, dtype=torch.float64) * 0.3
+    # per-sample fast weights, so that autograd gives one gradient per sample
+    W1 = w1.expand(b, -1, -1, -1).clone().requires_grad_()
+    W2 = w2.expand(b, -1, -1, -1).clone().requires_grad_()
+    loss = -((k @ W1) * F.silu(k @ W2) * v).sum() * SCALE / n
+    g1, g2 = torch.autograd.grad(loss, (W1, W2))
+    for fused in (False, True):        # under no_grad the fused kernel aten.silu_backward
+        with torch.set_grad_enabled(not fused):
+            out1, out2 = swiglu_inner_grads(k, v, w1, w2, SCALE)
+        torch.testing.assert_close(out1, g1 / (g1.norm(dim=-2, keepdim=True) + 1), rtol=0, atol=1e-12)
+        torch.testing.assert_close(out2, g2 / (g2.norm(dim=-2, keepdim=True) + 1), rtol=0, atol=1e-12)
+
+
+def test_dwconv_inner_grad_equals_autograd():
+    b, d, hh, ww = 2, 4, 7, 5
+    k, v = torch.randn(b, d, hh, ww, dtype=torch.float64), torch.randn(b, d, hh, ww, dtype=torch.float64)
+    w = (torch.randn(d, 1, 3, 3, dtype=torch.float64) * 0.2).repeat(b, 1, 1, 1).requires_grad_()
+    out = F.conv2d(k.reshape(1, b * d, hh, ww), w, padding=1, groups=b * d).reshape(b, d, hh, ww)
+    (g,) = torch.autograd.grad(-(out * v).sum() * SCALE / (hh * ww), w)
+    torch.testing.assert_close(dwconv_inner_grad(k.permute(0, 2, 3, 1), v.permute(0, 2, 3, 1), SCALE),
+                               g / (g.norm(dim=(-2, -1), keepdim=True) + 1), rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------- autocast on CPU
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_fast_paths_under_autocast(dtype):
+    """Under CPU autocast: the inference pieces and the train function (forward without autograd; backward by
+    autograd through the reference under the forward's autocast state) = the float32 reference to half
+    precision, values and the input's gradient."""
+    m = _layer(16, 2, max_elems=2 * 16 * 4, std=0.1).float()
+    x = torch.randn(2, HW[0] * HW[1], 16)
+    rot = rope_tables(*HW, 16)
+    m.eval()
+    xr = x.clone().requires_grad_()
+    ref = m(xr, HW, rot)                        # eval with autograd: the reference in float32
+    dout = torch.randn_like(ref)
+    (gref,) = torch.autograd.grad(ref, xr, dout)
+    bound = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    with torch.autocast('cpu', dtype=dtype):
+        with torch.no_grad():
+            low = m(x, HW, rot)
+        assert low.dtype == dtype and _rel(low, ref) < bound
+        m.train()
+        xg = x.clone().requires_grad_()
+        y = m(xg, HW, rot)
+        assert _rel(y, ref) < bound
+        (g,) = torch.autograd.grad(y.float(), xg, dout)
+    assert _rel(g, gref) < 2 * bound
+
+
+# ---------------------------------------------------------------- the layer's dispatch
+class _Calls:
+    """Records which fast implementation of the op ran, and with which piece."""
+
+    def __init__(self, monkeypatch):
+        self.names = []
+        inference, train = ttt_op.ttt_inference, ttt_op.TTTCore
+        monkeypatch.setattr(ttt_op, 'ttt_inference',
+                            lambda *a: self.names.append(('inference', a[-1])) or inference(*a))
+        monkeypatch.setattr(ttt_op, 'TTTCore', types.SimpleNamespace(
+            apply=lambda *a: self.names.append(('train', a[-1])) or train.apply(*a)))
+
+
+@pytest.mark.parametrize('devices,piece', [(('cpu',), 2 * 4 * 8), (('cuda',), None)])
+def test_pieces_only_on_the_policys_devices(monkeypatch, devices, piece):
+    """Training (recompute) and inference take the fast paths; pieces only on the policy's devices (a CPU map
+    with devices=('cuda',) is computed whole, as a CUDA map is by default). Values equal the reference."""
+    calls = _Calls(monkeypatch)
+    m, ref = _layer(max_elems=2 * 4 * 8, devices=devices), _layer()
+    x = torch.randn(2, HW[0] * HW[1], 8, dtype=torch.float64)
+    rot = _rot(8, True)
+    out = m.train()(x, HW, rot)
+    torch.testing.assert_close(out, ref.eval()(x, HW, rot), rtol=1e-10, atol=1e-12)
+    out.sum().backward()
+    with torch.no_grad():
+        torch.testing.assert_close(m.eval()(x, HW, rot), out, rtol=1e-10, atol=1e-12)
+    assert calls.names == [('train', piece), ('inference', piece)]
+
+
+def test_eval_with_grad_train_under_no_grad_and_export_take_the_reference(monkeypatch):
+    """Grad-CAM (eval mode, autograd recording), a train-mode layer under no_grad, recompute=False and export
+    mode: the reference."""
+    calls = _Calls(monkeypatch)
+    m = _layer(max_elems=8)
+    x = torch.randn(2, HW[0] * HW[1], 8, dtype=torch.float64, requires_grad=True)
+    m.eval()
+    m(x, HW).sum().backward()
+    assert x.grad.abs().sum() > 0
+    m.train()
+    with torch.no_grad():
+        m(x, HW)
+    with export_mode():
+        m(x, HW)
+    m.recompute = False
+    m(x, HW).sum().backward()
+    assert calls.names == []
+
+
+def test_state_dict_keys():
+    assert sorted(TTTAttention(8, 2).state_dict()) == sorted(
+        ['qkv.weight', 'qkv.bias', 'w1', 'w2', 'w3', 'proj.weight', 'proj.bias'])
