@@ -252,9 +252,9 @@ def check_config(path):
 
 def mim_script(pkg, command):
     """The script `mim train|test|run PKG COMMAND` runs, or an error string."""
-    from mim.utils import get_installed_path
+    from mim.utils import get_installed_path, module_full_name
     try:
-        root = get_installed_path(pkg)
+        root = get_installed_path(module_full_name(pkg) or pkg)  # mim's own resolution (mmseg: mmsegmentation)
     except Exception as err:  # noqa: BLE001
         return None, f'mim: package {pkg} not installed ({err})'
     domain, _, name = command.rpartition(':')
@@ -415,3 +415,4 @@ def test_command_checker_catches_what_it_should():
                              True, env)
     assert check_command(['mim', 'run', 'mmseg', 'browse_dataset', 'x.py'], False, env)  # two scripts of that name
     assert check_command(['pip', 'install', '-e', '.[nosuchextra]'], False, env)
+    assert check_command(['mim', 'train', 'mmnosuchlib', 'configs/demo/mask_rcnn_hvit3_t_demo.py'], False, env)
