@@ -275,6 +275,22 @@ def mim_script(pkg, command):
     return hits[0], ''
 
 
+MIM_OPTIONS = ('--gpus', '--gpus-per-node', '--cpus-per-task', '--partition', '--launcher', '--port', '--srun-args')
+
+
+def drop_mim_options(args):
+    """The arguments mim passes on to the tool: mim train / test's own options (and their values) removed."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a.split('=')[0] in MIM_OPTIONS:
+            skip = '=' not in a
+        elif a not in ('-y', '--yes'):
+            out.append(a)
+    return out
+
+
 def installed(pkg):
     from importlib.metadata import PackageNotFoundError, distribution
     try:
@@ -328,7 +344,7 @@ def check_command(cmd, synopsis, env):
             if sub == 'test' and '--checkpoint' in rest:  # mim's option, passed on as the tool's positional
                 i = rest.index('--checkpoint')
                 rest = rest[:1] + [rest[i + 1]] + rest[1:i] + rest[i + 2:]
-            rest = [a for a in rest if not a.startswith(('--gpus', '--launcher'))]
+            rest = drop_mim_options(rest)
         else:
             return problems + [f'mim {sub}: not a command this test knows']
         if err:
@@ -416,3 +432,5 @@ def test_command_checker_catches_what_it_should():
     assert check_command(['mim', 'run', 'mmseg', 'browse_dataset', 'x.py'], False, env)  # two scripts of that name
     assert check_command(['pip', 'install', '-e', '.[nosuchextra]'], False, env)
     assert check_command(['mim', 'train', 'mmnosuchlib', 'configs/demo/mask_rcnn_hvit3_t_demo.py'], False, env)
+    assert not check_command(['mim', 'train', 'mmplugin_l2', 'configs/demo/mask_rcnn_hvit3_t_demo.py', '--gpus', '2',
+                              '--launcher', 'pytorch', '--work-dir', 'w'], False, env)
