@@ -14,7 +14,8 @@
 # this checkout (not another copy) and so does mim (the distribution's location). tools/demo.sh and
 # tools/run_tests.sh call this script first.
 #
-# mmcv 2.1.0 has no wheel for current torch on PyPI, so pip builds it from source (~15 min on 2 cores).
+# mmcv 2.1.0 has no wheel for current torch on PyPI, so pip builds it from source (docs/get_started.md#install says
+# how long).
 # The build needs: no build isolation (it imports torch), MMCV_WITH_OPS=1, setuptools that still ships
 # pkg_resources (>=77.0.3,<82, also what torch accepts) and C++20 (torch >= 2.14 headers refuse C++17,
 # while mmcv's setup.py hard-codes -std=c++17: a g++ wrapper appends -std=c++20, the last -std wins).
@@ -61,7 +62,7 @@ fi
   scipy shapely terminaltables matplotlib pytest pyyaml
 
 if ! "$PY" -c "import mmcv, mmcv.ops; assert mmcv.__version__ == '2.1.0'" 2>/dev/null; then
-  echo "[install 2/3] mmcv 2.1.0 with ops (a prebuilt wheel from PIP_FIND_LINKS, else a ~15 min build)..."
+  echo "[install 2/3] mmcv 2.1.0 with ops (a prebuilt wheel from PIP_FIND_LINKS, else a source build of many minutes)..."
   wrap=$(mktemp -d)
   printf '#!/bin/sh\nexec g++ "$@" -std=c++20\n' > "$wrap/g++20"
   chmod +x "$wrap/g++20"

@@ -49,8 +49,8 @@ def stage_boundary():
     """Called by the backbones between two stages. Under `torch.compile` (not torch.export) it is a graph
     break: the next stage's map size becomes a fresh symbol instead of a nested ceil / floor division of the
     input size. With `dynamic=True` those nested expressions (stem, padding to the window size, four
-    stride-2 downsamplings) made the compiler's shape reasoning take more than 10 minutes for L2ViT; with
-    the breaks it compiles in minutes and a second input size reuses the graphs. A no-op everywhere else
+    stride-2 downsamplings) made the compiler's shape reasoning very slow (docs/deployment.md); with the breaks
+    a second input size reuses the graphs. A no-op everywhere else
     (eager, ONNX export, torch.export). `torch.compile(fullgraph=True)` is therefore not supported."""
     compiler = getattr(torch, 'compiler', None)
     if compiler is not None and compiler.is_compiling() and not compiler.is_exporting():
