@@ -1,6 +1,7 @@
 """tools/analysis: the FLOPs counter against hand-computed values; the benchmark, also against the authors'
 code."""
 import json
+import math
 import subprocess
 import sys
 
@@ -67,34 +68,9 @@ def test_hvit3_t_classifier_flops_match_the_paper(tmp_path):
     assert res['model']['params'] == 28_703_560
 
 
-def test_benchmark_writes_every_field(tmp_path):
-    out = tmp_path / 'bm'
-    r = subprocess.run([sys.executable, f'{ROOT}/tools/analysis/benchmark.py', '--models', 'hvit3_t', 'swin_t',
-                        '--sizes', '64', '72x96', '128', '--warmup', '0', '--iters', '1', '--out-dir', str(out)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert '[ 12/12]' in r.stdout  # progress: 2 models x 3 sizes x (latency, memory)
-    res = json.loads((out / 'benchmark.json').read_text())
-    for key in ('device', 'machine', 'torch', 'batch', 'sizes', 'by_model', 'scaling_exponent', 'raw'):
-        assert key in res
-    assert set(res['by_model']) == {'hvit3_t', 'swin_t'}
-    for rows in res['by_model'].values():
-        assert [row['size'] for row in rows] == [[64, 64], [72, 96], [128, 128]]
-        for row in rows:
-            assert row['tokens'] == -(-row['size'][0] // 4) * -(-row['size'][1] // 4)
-            assert row['latency_ms'] > 0 and row['throughput'] > 0 and row['train_peak_mem_mb'] > 0
-            assert row['params'] > 0 and 'errors' not in row
-    for exps in res['scaling_exponent'].values():
-        assert set(exps) == {'64x64->72x96', '72x96->128x128', '64x64->128x128'}
-    png = (out / 'benchmark.png').read_bytes()
-    assert png[:8] == b'\x89PNG\r\n\x1a\n' and len(png) > 10_000
+# ---- the benchmark (tools/analysis/benchmark.py, mmplugin_l2/analysis/benchmark.py) ----------------------
 
-
-# ---- benchmark against the authors' code (tools/analysis/benchmark.py --authors-code) --------------------
-# Their checkouts are not available here: these tests cover the argument handling, the import glue (on a
-# stand-in file of ours laid out like theirs), the parity arithmetic and the ratios.
-
-def _benchmark_cli():
+def _cli():
     import importlib.util
     spec = importlib.util.spec_from_file_location('_benchmark_cli', f'{ROOT}/tools/analysis/benchmark.py')
     mod = importlib.util.module_from_spec(spec)
@@ -102,44 +78,207 @@ def _benchmark_cli():
     return mod
 
 
+def _sdpa_calls(model, x):
+    import torch
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, torch.no_grad():
+        out = model(x)
+    return sum(e.count for e in prof.key_averages() if e.key == 'aten::scaled_dot_product_attention'), out
+
+
+def test_model_table_builds_every_entry():
+    """Every entry of the one model table builds and runs at 32x32; the plain-attention DeiT-T computes DeiT-T's
+    function (same weights) without PyTorch's fused attention, which DeiT-T calls once per block."""
+    import torch
+    from mmplugin_l2.analysis.models import LABELS, MODELS, build
+    assert set(LABELS) == set(MODELS)
+    assert {'hvit3_t', 'vit3_t', 'l2vit_t', 'rest_s', 'deit_t', 'deit_t_plain', 'deit_s', 'vit_b', 'swin_t',
+            'swin_s', 'pvtv2_b2'} <= set(MODELS)
+    x = torch.randn(1, 3, 32, 32)
+    for name in MODELS:
+        m = build(name, size=(32, 32))
+        m.eval()   # (mmdet's and mmpretrain's train() return None)
+        with torch.no_grad():
+            out = m(x)
+        assert out and all(torch.isfinite(o).all() for o in out), name
+    fused, plain = build('deit_t', size=(32, 32)), build('deit_t_plain', size=(32, 32))
+    plain.load_state_dict(fused.state_dict())
+    fused.eval()
+    plain.eval()
+    n_fused, a = _sdpa_calls(fused, x)
+    n_plain, b = _sdpa_calls(plain, x)
+    assert (n_fused, n_plain) == (12, 0)
+    torch.testing.assert_close(a[0], b[0], rtol=1e-4, atol=1e-5)
+
+
+def test_model_names_and_authors_entries_need_their_checkout(tmp_path, capsys, monkeypatch):
+    from mmplugin_l2.analysis import authors
+    from mmplugin_l2.analysis.models import check_name
+    cli = _cli()
+    with pytest.raises(ValueError, match="hvit3_t@authors needs the authors' checkout: pass --authors-code ViTTT="):
+        check_name('hvit3_t@authors')
+    with pytest.raises(ValueError, match="no authors' implementation of 'swin_t'"):
+        check_name('swin_t@authors', {'ViTTT': '/x'})
+    with pytest.raises(ValueError, match="unknown model 'deit_x'"):
+        check_name('deit_x')
+    for argv, msg in ((['--models', 'rest_s@authors'], 'pass --authors-code ResT=PATH'),
+                      (['--sizes', '12a'], "size '12a' is not H or HxW"),
+                      (['--rounds', '0'], '--rounds, --iters and --batches must be >= 1'),
+                      (['--device', 'tpu'], "--device 'tpu': allowed cpu, cuda, cuda:N"),
+                      (['--authors-code', f'ViTTT={tmp_path}/nowhere'], 'not a directory'),
+                      (['--authors-code', 'Swin=/x'], 'FAMILY=PATH with FAMILY one of ViTTT, L2ViT, ResT')):
+        with pytest.raises(SystemExit) as e:
+            cli.parse_args(['run', '--out', str(tmp_path / 'r.json'), *argv])
+        assert e.value.code == 2 and msg in capsys.readouterr().err, argv
+    monkeypatch.setattr(authors, 'require_timm', lambda: None)
+    vittt = _fake_checkout(tmp_path / 'ViTTT', 'ViTTT')
+    args = cli.parse_args(['run', '--out', str(tmp_path / 'r.json'), '--models', 'hvit3_t@authors', 'vit3_t',
+                           '--authors-code', f'vittt={vittt}'])
+    assert args.authors_roots == {'ViTTT': str(vittt)} and args.sizes == [(224, 224), (512, 512), (1248, 1248),
+                                                                           (2048, 2048)]
+
+
+def test_every_kind_runs_in_a_subprocess_and_lands_in_the_results_file(tmp_path):
+    """`run` at 32x32, one round: infer and train of two models, and maxbatch of one, each in a fresh process;
+    then `render` writes the page section and the plot, and `render --check` agrees with it."""
+    out = tmp_path / 'sub' / 'r.json'
+    r = subprocess.run([sys.executable, f'{ROOT}/tools/analysis/benchmark.py', 'run', '--models', 'vit3_t', 'deit_t',
+                        '--sizes', '32', '--kinds', 'infer', 'train', '--rounds', '1', '--warmup', '0', '--iters', '1',
+                        '--smoke', '--out', str(out)], capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert '[  4/4]' in r.stdout
+    res = json.loads(out.read_text())
+    assert res['format'] == 'mmplugin_l2-benchmark/1' and res['smoke'] is True
+    for key in ('torch', 'python', 'commit', 'device', 'threads', 'cpu'):
+        assert key in res['env']
+    got = {(s['model'], s['kind']): s for s in res['samples']}
+    assert set(got) == {('vit3_t', 'infer'), ('deit_t', 'infer'), ('vit3_t', 'train'), ('deit_t', 'train')}
+    for (m, kind), s in got.items():
+        assert 'error' not in s and s['size'] == [32, 32] and s['batch'] == 1 and s['params'] > 0
+        assert s['peak_mem_mb'] is None or s['peak_mem_mb'] > 0
+        assert (s['latency_ms'] > 0 and s['throughput'] > 0) if kind == 'infer' else s['step_ms'] > 0
+    from mmplugin_l2.analysis import benchmark as bm
+    spec = dict(model='vit3_t', kind='maxbatch', size=[32, 32], round=0, batch=1, warmup=0, iters=1,
+                device='cpu', budget_mb=1e6, max_batch=2)
+    mb = bm.run([spec], {}, str(tmp_path / 'm.json'), log=lambda s: None)['samples'][0]
+    assert mb['kind'] == 'maxbatch' and mb['batch'] == 2 and mb['throughput'] > 0
+    assert set(mb['probes']) == {'1', '2'} and json.loads((tmp_path / 'm.json').read_text())['samples'] == [mb]
+    doc = tmp_path / 'page.md'
+    doc.write_text(f'# title\n\n{bm.BEGIN}\nold\n{bm.END}\n\nafter\n')
+    png = tmp_path / 'p.png'
+    cmd = [sys.executable, f'{ROOT}/tools/analysis/benchmark.py', 'render', str(out), '--doc', str(doc)]
+    r = subprocess.run(cmd + ['--plot', str(png)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = doc.read_text()
+    assert text.startswith('# title\n\n' + bm.BEGIN + '\n') and text.endswith(bm.END + '\n\nafter\n')
+    assert 'Smoke run, not a benchmark' in text and '| ViT3-T | 1 |' in text and 'old' not in text
+    assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    r = subprocess.run(cmd + ['--check'], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0 and 'up to date' in r.stdout
+    doc.write_text(text.replace('| ViT3-T | 1 |', '| ViT3-T | 2 |'))
+    r = subprocess.run(cmd + ['--check'], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 1 and 'differs' in r.stdout
+
+
+def test_a_failed_measurement_is_a_sample_with_its_error():
+    from mmplugin_l2.analysis import benchmark as bm
+    s = bm.run_subprocess(dict(model='hvit3_t@authors', kind='infer', size=[32, 32], batch=1, warmup=0, iters=1,
+                               device='cpu', round=2, authors_roots={'ViTTT': '/nowhere'}))
+    assert s == dict(model='hvit3_t@authors', kind='infer', size=[32, 32], batch=1, round=2, error=s['error'])
+    assert s['error'].startswith('FileNotFoundError: ViTTT:') and '/nowhere' in s['error'] and '\n' not in s['error']
+
+
+def test_batch_search_respects_the_budget():
+    """Against a fake peak-memory function (affine in the batch, out of memory above a limit): the batch found
+    is the largest that fits, and no probe is repeated."""
+    from mmplugin_l2.analysis.benchmark import largest_batch
+    for per, fixed, budget, oom, cap in ((10., 5., 100., None, 1024), (3., 1., 1000., 40, 1024),
+                                         (1., 0., 1e9, None, 50), (200., 0., 100., None, 1024),
+                                         (7., 3., 7 * 37 + 3, None, 1024), (1., 0., 64., None, 64)):
+        calls = []
+
+        def peak(b):
+            calls.append(b)
+            return None if oom is not None and b > oom else fixed + per * b
+        b, probes = largest_batch(peak, budget, cap)
+        want = max([k for k in range(1, cap + 1) if (oom is None or k <= oom) and fixed + per * k <= budget],
+                   default=0)
+        assert b == want, (per, fixed, budget, oom, cap)
+        assert max(probes) <= cap and len(calls) == len(set(calls)) == len(probes) <= 22
+        assert all((v is not None and v <= budget) == (k <= want) for k, v in probes.items())
+
+
+def _sample(model, kind, size, rnd, ms=None, mem=None, batch=1, error=None):
+    s = dict(model=model, kind=kind, size=list(size), batch=batch, round=rnd)
+    if error:
+        return dict(s, error=error)
+    key = 'latency_ms' if kind == 'infer' else 'step_ms'
+    s.update({key: ms, 'peak_mem_mb': mem})
+    if kind == 'infer':
+        s['throughput'] = batch / ms * 1e3
+    return s
+
+
+def test_ratios_with_ranges_and_crossover():
+    from mmplugin_l2.analysis import benchmark as bm
+    ours, theirs = (10., 8., 12.), (30., 27., 40.)
+    assert bm.ratio(ours, theirs) == pytest.approx((3., 27 / 12, 40 / 8))
+    assert bm.memory_ratio((50., 40., 60.), (100., 80., 120.)) == pytest.approx((.5, 40 / 120, 60 / 80))
+    assert bm.ratio(None, theirs) is None
+    # speed-up 0.5 at 100 tokens, 2 at 10000: log-linear -> 1 at 1000 tokens
+    assert bm.crossover([(10000, 2.), (100, .5)]) == pytest.approx(1000.)
+    assert bm.crossover([(100, .5), (400, .8)]) is None
+    assert bm.crossover([(100, 1.2), (400, 3.)]) == 100.
+    # below 1 again in between: the last crossing counts
+    assert bm.crossover([(1, .5), (10, 2.), (100, .5), (1000, 2.)]) == pytest.approx(10 ** 2.5)
+
+
+def test_render_is_deterministic_and_computes_medians_ranges_ratios_and_crossover():
+    from mmplugin_l2.analysis import benchmark as bm
+    samples = []
+    for rnd, jitter in enumerate((0., 1., -1.)):
+        samples += [_sample('vit3_t', 'infer', (224, 224), rnd, 10 + jitter, 100),
+                    _sample('deit_t', 'infer', (224, 224), rnd, 5 + jitter / 2, 90),
+                    _sample('vit3_t', 'infer', (448, 448), rnd, 20 + jitter, 100),
+                    _sample('deit_t', 'infer', (448, 448), rnd, 40 + jitter, 90),
+                    _sample('vit3_t', 'train', (448, 448), rnd, 100., 50 + 10 * rnd),
+                    _sample('deit_t', 'train', (448, 448), rnd, 300., 200.)]
+    samples.append(_sample('swin_t', 'train', (448, 448), 0, error='killed by signal 9 (out of memory?)'))
+    res = dict(format=bm.FORMAT, env=dict(device='cpu', torch='t'), config=dict(rounds=3), samples=samples)
+    md = bm.render(res)
+    assert md == bm.render(json.loads(json.dumps(res)))
+    assert '| ViT3-T | 1 | 10 (9–11) | 20 (19–21) |' in md
+    assert '| Swin-T (mmdet) | 1 | – | failed: killed by signal 9 (out of memory?) |' in md
+    # at 448: speed 40 / 20 = 2 (39 / 21 .. 41 / 19), training 3, training memory 60 / 200 (50 / 200 .. 70 / 200)
+    assert ('| ViT3-T vs DeiT-T (mmpretrain) | 1 | 448×448 | 2.00× (1.86–2.16) | 3.00× (3.00–3.00) '
+            '| 0.30× (0.25–0.35) |') in md
+    # crossover: speed-up 0.5 at 224^2 pixels, 2 at 448^2: 1 at their geometric mean
+    assert f'| ViT3-T vs DeiT-T (mmpretrain) | ≈ {math.sqrt(224 * 448):.0f}² pixels | – |' in md
+    assert 'Smoke run' not in md
+    assert 'Smoke run, not a benchmark' in bm.render(dict(res, smoke=True, note='x'))
+    with pytest.raises(ValueError, match='generated:begin'):
+        bm.replace_section('no markers', md)
+
+
+def test_committed_page_is_render_of_the_committed_results():
+    """docs/benchmark.md's generated section is exactly `render` of docs/benchmark_results.json."""
+    from mmplugin_l2.analysis import benchmark as bm
+    with open(f'{ROOT}/docs/benchmark_results.json') as f:
+        res = json.load(f)
+    with open(f'{ROOT}/docs/benchmark.md') as f:
+        doc = f.read()
+    assert bm.replace_section(doc, bm.render(res)) == doc
+
+
+# ---- benchmark against the authors' code (tools/analysis/benchmark.py --authors-code) --------------------
+# Their checkouts are not available here: these tests cover the argument handling, the import glue (on a
+# stand-in file of ours laid out like theirs), the parity arithmetic and the ratios.
+
 def _fake_checkout(root, family, text=''):
     from mmplugin_l2.analysis import authors
     path = root / authors.FAMILIES[family][1]
     path.parent.mkdir(parents=True)
     path.write_text(text)
     return root
-
-
-def test_authors_code_arguments(tmp_path):
-    cli = _benchmark_cli()
-    vittt = _fake_checkout(tmp_path / 'ViTTT', 'ViTTT')
-    rest = _fake_checkout(tmp_path / 'ResT', 'ResT')
-    args = cli.parse_args(['--models', 'hvit3_t', 'l2vit_t', 'rest_s', 'swin_t',
-                           '--authors-code', f'vittt={vittt}', f'ResT={rest}'])
-    assert args.authors_code == {'ViTTT': str(vittt), 'ResT': str(rest)}
-    assert cli.compared_models(args.models, args.authors_code) == {'hvit3_t': str(vittt), 'rest_s': str(rest)}
-    assert cli.parse_args([]).authors_code == {}
-
-
-def test_authors_code_errors_are_clear(tmp_path, capsys):
-    cli = _benchmark_cli()
-
-    def error(*argv):
-        with pytest.raises(SystemExit) as e:
-            cli.parse_args(['--authors-code', *argv])
-        assert e.value.code == 2
-        return capsys.readouterr().err
-
-    err = error(f'ViTTT={tmp_path}/nowhere')
-    assert f'{tmp_path}/nowhere' in err and 'not a directory' in err and 'github.com/Liyining-ai/ViTTT' in err
-    (tmp_path / 'L2ViT').mkdir()
-    err = error(f'L2ViT={tmp_path}/L2ViT')
-    assert f'{tmp_path}/L2ViT/object_detection/mmdet/models/backbones/l2vit.py is missing' in err
-    assert 'github.com/ChuanyangZheng/L2ViT' in err
-    assert 'FAMILY=PATH with FAMILY one of ViTTT, L2ViT, ResT' in error('ResT')
-    assert "got 'Swin=/x'" in error('Swin=/x')
-    rest = _fake_checkout(tmp_path / 'ResT', 'ResT')
-    assert 'ResT given twice' in error(f'ResT={rest}', f'rest={rest}')
 
 
 def test_authors_code_needs_timm(monkeypatch):
@@ -189,7 +328,8 @@ def test_authors_import_glue_parity_and_worker(tmp_path, monkeypatch):
     assert abs(res['stages'][3]['max_abs_diff'] - 0.25) < 1e-5
     assert res['max_abs_diff'] == res['stages'][3]['max_abs_diff']
     assert res['family'] == 'ViTTT' and res['size'] == [64, 96] and res['ours_cfg'] == {}
-    r = bm.worker('hvit3_t@authors', (64, 64), 'latency', 1, 0, 1, 'cpu', authors_root=str(root))
+    r = bm.measure(dict(model='hvit3_t@authors', kind='infer', size=[64, 64], batch=1, warmup=0, iters=1,
+                        device='cpu', authors_roots={'ViTTT': str(root)}))
     assert r['model'] == 'hvit3_t@authors' and r['latency_ms'] > 0
     assert r['params'] == sum(p.numel() for p in bm.build('hvit3_t').parameters())
     with pytest.raises(ValueError, match='mod 32'):
@@ -198,92 +338,7 @@ def test_authors_import_glue_parity_and_worker(tmp_path, monkeypatch):
     authors.check_size('hvit3_t', (200, 201))
 
 
-def test_vs_authors_ratios_and_report(tmp_path):
-    from mmplugin_l2.analysis import benchmark as bm
-
-    def row(size, lat, mem):
-        return dict(size=size, tokens=bm.tokens(size), latency_ms=lat, throughput=None, train_peak_mem_mb=mem)
-    by_model = {'hvit3_t': [row([224, 224], 10., 52.), row([800, 1344], 100., None)],
-                'hvit3_t@authors': [row([224, 224], 13.1, 100.), row([800, 1344], 150., 80.)],
-                'swin_t': [row([224, 224], 5., 20.)]}
-    res = bm.vs_authors(by_model, {'hvit3_t': dict(max_abs_diff=3e-7)})
-    assert list(res) == ['hvit3_t'] and list(res['hvit3_t']) == ['224x224', '800x1344']
-    r = res['hvit3_t']['224x224']
-    assert r['speedup'] == pytest.approx(1.31) and r['mem_ratio'] == pytest.approx(0.52) and r['max_abs_diff'] == 3e-7
-    assert res['hvit3_t']['800x1344'] == dict(speedup=1.5, mem_ratio=None, max_abs_diff=3e-7)
-    assert (bm.format_vs_authors('hvit3_t', '224x224', r)
-            == 'hvit3_t vs authors at 224x224: forward 1.31x faster, train memory 0.52x, max |diff| 3.0e-07')
-    assert bm.format_vs_authors('hvit3_t', '800x1344', res['hvit3_t']['800x1344']).endswith('train memory -x, '
-                                                                                            'max |diff| 3.0e-07')
-    assert bm.vs_authors(by_model)['hvit3_t']['224x224']['max_abs_diff'] is None
-    summary = dict(by_model=by_model, device='cpu', batch=1, torch='x')
-    bm.plot(summary, tmp_path / 'p.png')  # the authors' lines dashed, in their model's colour
-    assert (tmp_path / 'p.png').read_bytes()[:4] == b'\x89PNG'
-
-
-# ---- training-step benchmark (tools/analysis/train_benchmark.py) and roofline (tools/analysis/roofline.py) ----
-
-def _train_cli():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location('_train_cli', f'{ROOT}/tools/analysis/train_benchmark.py')
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_train_benchmark_runs_variants_and_rounds(tmp_path):
-    out = tmp_path / 'tb'
-    r = subprocess.run([sys.executable, f'{ROOT}/tools/analysis/train_benchmark.py', '--models', 'hvit3_t',
-                        '--sizes', '64', '--batches', '2', '--variants', 'cp', '--warmup', '0', '--iters', '2',
-                        '--rounds', '2', '--out-dir', str(out)], capture_output=True, text=True, cwd=ROOT, timeout=1200)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert '[  6/6]' in r.stdout  # 2 rounds x (default train, default inference, cp train)
-    res = json.loads((out / 'train_benchmark.json').read_text())
-    rows = res['table']['64x64/b2']
-    assert set(rows) == {'hvit3_t', 'hvit3_t[cp]'}
-    assert rows['hvit3_t[cp]']['extra_cfg'] == {'with_cp': True} and 'infer_ms' not in rows['hvit3_t[cp]']
-    for row in rows.values():
-        st = row['step_ms']
-        assert st['n'] == 4 and st['min'] <= st['median'] <= st['max']  # 2 rounds x 2 iterations
-        assert row['train_peak_mem_mb']['median'] > 0 and row['params'] > 0
-        parts = sum(row[k]['median'] for k in ('forward_ms', 'backward_ms', 'optimizer_ms'))
-        assert parts == pytest.approx(st['median'], rel=0.5)
-    assert rows['hvit3_t']['infer_ms']['n'] == 4
-    assert res['best_variants']['64x64/b2']['hvit3_t']['fastest'] in rows
-    md = (out / 'train_benchmark.md').read_text()
-    assert '**64×64, batch 2**' in md and '`hvit3_t[cp]`' in md
-
-
-def test_train_benchmark_tables_and_ratios():
-    cli = _train_cli()
-
-    def train(label, rnd, step, mem, size=(800, 1344)):
-        return dict(label=label, round=rnd, size=list(size), batch=2, mode='train', params=10, extra_cfg={},
-                    step_ms=step, forward_ms=step / 4, backward_ms=step / 2, optimizer_ms=step / 4,
-                    train_peak_mem_mb=mem, steps=[dict(total_ms=step * .9), dict(total_ms=step * 1.1)])
-
-    def infer(label, rnd, ms):
-        return dict(label=label, round=rnd, size=[800, 1344], batch=2, mode='latency', latency_ms=ms,
-                    times_ms=[ms, ms])
-    raw = [train('hvit3_t', 0, 100., 40.), infer('hvit3_t', 0, 10.), train('hvit3_t[cp]', 0, 150., 30.),
-           train('hvit3_t@authors', 0, 200., 100.), infer('hvit3_t@authors', 0, 20.),
-           train('hvit3_t', 1, 120., 42.), infer('hvit3_t', 1, 14.), train('hvit3_t[cp]', 1, 130., 30.),
-           train('hvit3_t@authors', 1, 180., 100.), infer('hvit3_t@authors', 1, 20.),
-           dict(label='swin_t', round=0, size=[800, 1344], batch=2, mode='train', error='boom')]
-    table = cli.summarize(raw)
-    rows = table['800x1344/b2']
-    assert rows['hvit3_t']['step_ms'] == dict(median=110., min=90., max=132., n=4)
-    assert rows['hvit3_t']['infer_ms'] == dict(median=12., min=10., max=14., n=4)
-    assert rows['swin_t']['errors'] == ['train: boom']
-    vs = cli.vs_authors(table)['800x1344/b2']
-    assert vs['hvit3_t'] == pytest.approx(dict(train_speedup=190 / 110, mem_ratio=41 / 100, infer_speedup=20 / 12))
-    assert vs['hvit3_t[cp]']['train_speedup'] == pytest.approx(190 / 140)
-    assert vs['hvit3_t[cp]']['infer_speedup'] == pytest.approx(20 / 12)  # inference does not depend on with_cp
-    assert cli.best_variants(table)['800x1344/b2']['hvit3_t'] == dict(fastest='hvit3_t',
-                                                                       smallest_memory='hvit3_t[cp]')
-    md = cli.markdown(dict(table=table, vs_authors=cli.vs_authors(table), rounds=2, iters=2, warmup=1))
-    assert '| `hvit3_t` | 0.11 (0.09–0.13) |' in md and '1.73, 0.41, 1.67' in md and 'failed: train: boom' in md
-
+# ---- roofline (tools/analysis/roofline.py) ------------------------------------------------------------
 
 def test_roofline_layers_partition_the_model_and_account_for_its_macs():
     from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST

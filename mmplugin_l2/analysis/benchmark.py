@@ -1,32 +1,68 @@
-"""Backbone benchmark: inference latency / throughput and training-step peak memory, one measurement per
-fresh subprocess (see tools/analysis/benchmark.py); optionally against the authors' implementations
-(`<name>@authors`, see authors.py)."""
+"""The benchmark behind tools/analysis/benchmark.py: measurements (one per fresh subprocess), the schedule
+(models alternating within a round), the batch search, the results file, and what `render` makes of it
+(tables with medians and min-max ranges, ratios, the crossover resolution, the plot).
+
+A measurement (`measure`) is one dict, a *sample*: model, kind, size, batch, round and what was measured.
+Kinds:
+* `infer`: `warmup` + `iters` no-grad forwards; latency_ms (median of the timed ones), times_ms, throughput
+  (images/s), peak_mem_mb of the forwards.
+* `train`: `warmup` + `iters` training iterations (forward, backward of the summed output means, AdamW step;
+  mmplugin_l2/analysis/train_step.py); step_ms (median), forward/backward/optimizer ms, peak_mem_mb.
+* `maxbatch`: the largest inference batch whose peak memory fits `budget_mb` (`largest_batch`, every probe in
+  its own process), then an `infer` measurement at that batch; batch is the batch found.
+Peak memory: CUDA torch.cuda.max_memory_allocated() above what the model and input held before; CPU the fresh
+process's peak resident set (ru_maxrss) above its resident set before the first iteration.
+"""
 import json
 import math
 import os
 import resource
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
 
-from .models import MODELS, build  # noqa: F401  (the tools and tests use them from here too)
+from .models import AUTHORS_TAG, MODELS, build, check_name, label  # noqa: F401  (the tools use them from here)
 
-DEFAULT_MODELS = ['hvit3_t', 'l2vit_t', 'rest_s', 'swin_t', 'pvtv2_b2']
-DEFAULT_SIZES = ['224', '512', '800x1344', '1248']
-#: suffix of the authors' implementation of a model (tools/analysis/benchmark.py --authors-code)
-AUTHORS_TAG = '@authors'
+FORMAT = 'mmplugin_l2-benchmark/1'
+KINDS = ('infer', 'train', 'maxbatch')
+#: suites: models, sizes, batches, kinds
+SUITES = {
+    'headline': dict(models=['vit3_t', 'deit_t', 'deit_t_plain'], sizes=['224', '512', '1248', '2048'],
+                     batches=[1], kinds=['infer', 'train']),
+    'detection': dict(models=['hvit3_t', 'l2vit_t', 'rest_s', 'swin_t'], sizes=['800x1344', '1248'],
+                      batches=[1, 2], kinds=['infer', 'train']),
+    'all': dict(models=['hvit3_t', 'vit3_t', 'l2vit_t', 'rest_s', 'swin_t', 'swin_s', 'pvtv2_b2', 'deit_t',
+                        'deit_t_plain', 'deit_s', 'vit_b'], sizes=['224', '512', '800x1344', '1248', '2048'],
+                batches=[1], kinds=['infer', 'train', 'maxbatch']),
+}
+#: (ours, theirs) pairs of the ratio tables and the plot
+PAIRS = [('vit3_t', 'deit_t'), ('vit3_t', 'deit_t_plain'), ('hvit3_t', 'swin_t'), ('l2vit_t', 'swin_t'),
+         ('rest_s', 'swin_t')]
+BEGIN, END = '<!-- generated:begin -->', '<!-- generated:end -->'
 
 
 def parse_size(s):
+    """'224' -> (224, 224), '800x1344' -> (800, 1344); ValueError (one line) otherwise."""
     h, _, w = str(s).partition('x')
-    return int(h), int(w or h)
+    try:
+        size = int(h), int(w or h)
+    except ValueError:
+        raise ValueError(f'size {s!r} is not H or HxW (positive integers)') from None
+    if min(size) < 1:
+        raise ValueError(f'size {s!r} is not H or HxW (positive integers)')
+    return size
 
 
-def tokens(size):
-    """Stride-4 tokens of an H x W image (the first stage of every pyramid backbone here)."""
-    h, w = size
-    return math.ceil(h / 4) * math.ceil(w / 4)
+def size_key(size):
+    return f'{size[0]}x{size[1]}'
+
+
+def tokens(size, stride=16):
+    """Tokens of an H x W image at `stride` (16: a patch-16 ViT, 4: the first stage of the pyramids)."""
+    return math.ceil(size[0] / stride) * math.ceil(size[1] / stride)
 
 
 def _rss_bytes():
@@ -39,11 +75,40 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def measure_latency(model, x, warmup, iters):
-    """Median wall time of `iters` no-grad forwards after `warmup` ones, in ms."""
+class PeakMemory:
+    """Peak memory in MB of what runs inside the `with` above what was held at its start (see module doc)."""
+
+    def __init__(self, device):
+        self.device, self.mb = device, None
+
+    def __enter__(self):
+        if self.device.type == 'cuda':
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            self.base = _rss_bytes()
+            self.peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is not None:
+            return False
+        if self.device.type == 'cuda':
+            torch.cuda.synchronize()
+            self.mb = (torch.cuda.max_memory_allocated() - self.base) / 2**20
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            # a step below the process's earlier peak (imports, build) is not measurable this way
+            self.mb = (peak - self.base) / 2**20 if peak > self.peak_before else None
+        return False
+
+
+def measure_infer(model, x, warmup, iters):
+    """(median ms, per-forward ms, peak MB) of `iters` no-grad forwards after `warmup` ones."""
     model.eval()
     times = []
-    with torch.no_grad():
+    with torch.no_grad(), PeakMemory(x.device) as mem:
         for i in range(warmup + iters):
             _sync(x.device)
             t = time.perf_counter()
@@ -51,133 +116,375 @@ def measure_latency(model, x, warmup, iters):
             _sync(x.device)
             if i >= warmup:
                 times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times), times
+    return statistics.median(times), times, mem.mb
 
 
-def measure_train_memory(model, x):
-    """Peak memory of one training step (forward + backward of the sum of the outputs) above what was
-    held before it, in MB. CUDA: torch.cuda.max_memory_allocated. CPU: the process's peak RSS
-    (getrusage ru_maxrss) minus its RSS just before the step, in a fresh process whose earlier peak
-    (imports, model build) is below the step's."""
-    model.train()
-    if x.device.type == 'cuda':
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        sum(o.float().sum() for o in model(x)).backward()
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
-    base = _rss_bytes()
-    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    sum(o.sum() for o in model(x)).backward()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    if peak <= peak_before:
-        raise RuntimeError('the training step did not raise the process peak RSS; cannot measure it')
-    return (peak - base) / 2**20
+def measure(spec):
+    """One measurement in this process; a JSON-able sample.
 
-
-def worker(name, size, mode, batch, warmup, iters, device, extra_cfg=None, authors_root=None):
-    """One measurement; returns a JSON-able dict. `name` is a MODELS key, or `<key>@authors` for the
-    authors' implementation from the checkout `authors_root`; mode 'parity' compares ours with it."""
+    Args:
+        spec (dict): model (str), kind ('infer' | 'train'), size ([H, W]), batch (int), warmup (int),
+            iters (int), device (str), authors_roots ({family: path}, optional), round (int, optional).
+    """
+    from .train_step import train_steps
     torch.manual_seed(0)
-    res = dict(model=name, size=list(size), tokens=tokens(size), batch=batch, mode=mode)
-    if mode == 'parity':
-        from . import authors
-        res.update(authors.parity(name, authors_root, size, batch=batch, device=device))
-        return res
-    device = torch.device(device)
-    if name.endswith(AUTHORS_TAG):
-        from . import authors
-        base = name[:-len(AUTHORS_TAG)]
-        authors.check_size(base, size)
-        model = authors.build(base, authors_root).to(device)
+    dev = torch.device(spec['device'])
+    size, batch = tuple(spec['size']), spec['batch']
+    model = build(spec['model'], size=size, authors_roots=spec.get('authors_roots')).to(dev)
+    x = torch.randn(batch, 3, *size, device=dev)
+    s = dict(model=spec['model'], kind=spec['kind'], size=list(size), batch=batch, round=spec.get('round', 0),
+             params=sum(p.numel() for p in model.parameters()))
+    if spec['kind'] == 'infer':
+        med, times, mem = measure_infer(model, x, spec['warmup'], spec['iters'])
+        s.update(latency_ms=med, times_ms=times, throughput=batch / med * 1e3, peak_mem_mb=mem)
+    elif spec['kind'] == 'train':
+        steps, mem = train_steps(model, x, spec['warmup'], spec['iters'])
+        s.update({k: statistics.median(st[k] for st in steps) for k in steps[0]})
+        s.update(step_ms=s.pop('total_ms'), steps=steps, peak_mem_mb=mem)
     else:
-        model = build(name, extra_cfg).to(device)
-        if extra_cfg:
-            res['extra_cfg'] = extra_cfg
-    x = torch.randn(batch, 3, *size, device=device)
-    res['params'] = sum(p.numel() for p in model.parameters())
-    if mode == 'latency':
-        med, times = measure_latency(model, x, warmup, iters)
-        res.update(latency_ms=med, throughput=batch / med * 1e3, times_ms=times)
-    else:
-        res.update(train_peak_mem_mb=measure_train_memory(model, x))
-    return res
+        raise ValueError(f'kind {spec["kind"]!r} is not measured in one process; allowed: infer, train')
+    return s
 
 
-def vs_authors(by_model, parity=None):
-    """Per model with an `<name>@authors` entry and per size: speedup = their latency / ours, mem_ratio =
-    our training-step peak memory / theirs, max_abs_diff = the parity check's (one size, see `parity`)."""
-    out = {}
-    for name, rows in by_model.items():
-        theirs = {tuple(r['size']): r for r in by_model.get(name + AUTHORS_TAG, [])}
-        if name.endswith(AUTHORS_TAG) or not theirs:
-            continue
-        diff = (parity or {}).get(name, {}).get('max_abs_diff')
-        for row in rows:
-            t = theirs.get(tuple(row['size']))
-            if t is None:
-                continue
-            lat, mem = (row.get('latency_ms'), t.get('latency_ms')), (row.get('train_peak_mem_mb'),
-                                                                       t.get('train_peak_mem_mb'))
-            out.setdefault(name, {})[f'{row["size"][0]}x{row["size"][1]}'] = dict(
-                speedup=lat[1] / lat[0] if all(lat) else None,
-                mem_ratio=mem[0] / mem[1] if all(mem) else None, max_abs_diff=diff)
+def run_subprocess(spec, timeout=None, python=sys.executable):
+    """`measure(spec)` in a fresh Python process; the sample, or the spec's fields with `error` (one line: an
+    exception, a kill by the OS, a timeout)."""
+    base = {k: spec[k] for k in ('model', 'kind', 'size', 'batch')}
+    base['round'] = spec.get('round', 0)
+    try:
+        r = subprocess.run([python, '-m', 'mmplugin_l2.analysis.benchmark', json.dumps(spec)],
+                           capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(base, error=f'timed out after {timeout} s')
+    for line in reversed(r.stdout.splitlines()):
+        if line.startswith('SAMPLE '):
+            return json.loads(line[7:])
+    tail = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    if r.returncode < 0:
+        why = f'killed by signal {-r.returncode}' + (' (out of memory?)' if r.returncode == -9 else '')
+    else:
+        why = tail[-1] if tail else f'exit status {r.returncode}'
+    return dict(base, error=why[:300])
+
+
+def largest_batch(peak_mb, budget_mb, max_batch=1024):
+    """The largest batch b <= max_batch whose peak_mb(b) <= budget_mb: doubling from 1 until a batch does not
+    fit, then bisection between the last that fits and the first that does not (peak memory grows with the
+    batch). `peak_mb(b)` returns MB, or None when the batch could not run (out of memory).
+
+    Returns:
+        tuple: (batch or 0 if not even 1 fits, {batch: peak MB or None} of every probe).
+    """
+    probes = {}
+
+    def fits(b):
+        probes[b] = peak_mb(b)
+        return probes[b] is not None and probes[b] <= budget_mb
+    if not fits(1):
+        return 0, probes
+    lo, hi = 1, None
+    while hi is None:
+        b = min(lo * 2, max_batch)
+        if b == lo:
+            return lo, probes
+        if fits(b):
+            lo = b
+        else:
+            hi = b
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, probes
+
+
+def schedule(models, sizes, batches, kinds, rounds):
+    """Measurement specs in run order: per round, per (kind, size, batch), every model once; the models' order
+    rotates by one each round, so no model always runs first (or right after the same one)."""
+    out = []
+    for r in range(rounds):
+        order = models[r % len(models):] + models[:r % len(models)]
+        for kind in kinds:
+            for size in sizes:
+                for batch in ([1] if kind == 'maxbatch' else batches):
+                    out += [dict(model=m, kind=kind, size=list(size), batch=batch, round=r) for m in order]
     return out
 
 
-def format_vs_authors(name, size_key, r):
-    """'hvit3_t vs authors at 800x1344: forward 1.31x faster, train memory 0.52x, max |diff| 3.0e-07'."""
-    def f(v, fmt):
-        return '-' if v is None else format(v, fmt)
-    return (f'{name} vs authors at {size_key}: forward {f(r["speedup"], ".2f")}x faster, '
-            f'train memory {f(r["mem_ratio"], ".2f")}x, max |diff| {f(r["max_abs_diff"], ".1e")}')
+def environment(device):
+    """Machine, versions and commit of a run."""
+    import platform
+    env = dict(python=platform.python_version(), torch=torch.__version__, machine=platform.machine(),
+               cpus=os.cpu_count(), threads=torch.get_num_threads(), device=device,
+               date=time.strftime('%Y-%m-%d', time.gmtime()))
+    try:
+        with open('/proc/cpuinfo') as f:
+            env['cpu'] = next((ln.split(':', 1)[1].strip() for ln in f if ln.startswith('model name')), None)
+    except OSError:
+        env['cpu'] = None
+    if device.startswith('cuda'):
+        env['gpu'] = torch.cuda.get_device_name(torch.device(device))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        env['commit'] = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=root, capture_output=True,
+                                       text=True, timeout=10).stdout.strip() or None
+    except OSError:
+        env['commit'] = None
+    for mod in ('mmdet', 'mmpretrain', 'mmengine'):
+        try:
+            env[mod] = __import__(mod).__version__
+        except ImportError:
+            env[mod] = None
+    return env
 
 
-def scaling_exponents(results, sizes):
-    """Per model: d log(latency) / d log(tokens) between consecutive sizes and from the first to the
-    last of them."""
+def run(specs, common, out_path, results=None, timeout=None, log=print, runner=run_subprocess):
+    """Run every spec (fields of `common` added) through `runner`, appending each sample to `results` and
+    writing `out_path` after each, so a run stopped early keeps what it measured. `maxbatch` specs run the
+    batch search (`common['budget_mb']`) and then an inference measurement at the batch found."""
+    results = results if results is not None else dict(format=FORMAT, samples=[])
+    for i, spec in enumerate(specs):
+        spec = dict(common, **spec)
+        if spec['kind'] == 'maxbatch':
+            def peak(b, spec=spec):
+                s = runner(dict(spec, kind='infer', batch=b, warmup=0, iters=1), timeout=timeout)
+                if 'error' in s:
+                    return None
+                # None on CPU: the forwards stayed below the fresh process's earlier peak (imports), so small
+                return s['peak_mem_mb'] if s.get('peak_mem_mb') is not None else 0.
+            b, probes = largest_batch(peak, spec['budget_mb'], spec.get('max_batch', 1024))
+            if b:
+                s = runner(dict(spec, kind='infer', batch=b), timeout=timeout)
+                s['kind'] = 'maxbatch'
+            else:
+                s = dict({k: spec[k] for k in ('model', 'kind', 'size', 'round')}, batch=0,
+                         error=f'batch 1 does not fit {spec["budget_mb"]} MB')
+            s.update(budget_mb=spec['budget_mb'], probes={str(k): v for k, v in probes.items()})
+        else:
+            s = runner(spec, timeout=timeout)
+        results['samples'].append(s)
+        with open(out_path, 'w') as f:
+            json.dump(results, f, indent=1)
+        log(f'[{i + 1:3d}/{len(specs)}] ' + describe(s))
+    return results
+
+
+def describe(s):
+    head = f'{s["model"]:14s} {s["kind"]:8s} {size_key(s["size"]):>9s} b{s["batch"]:<3d} r{s["round"]}'
+    if 'error' in s:
+        return f'{head} ERROR {s["error"]}'
+    t = s.get('latency_ms') if s['kind'] != 'train' else s.get('step_ms')
+    mem = s.get('peak_mem_mb')
+    return f'{head} {t:10.1f} ms  peak ' + ('-' if mem is None else f'{mem:.0f} MB')
+
+
+# ---- what render makes of the samples ------------------------------------------------------------------------
+
+def stat(values):
+    """(median, min, max) of the values, None without any."""
+    values = [v for v in values if v is not None]
+    return (statistics.median(values), min(values), max(values)) if values else None
+
+
+def summarize(samples):
+    """{(model, kind, size_key, batch): {metric: (median, min, max) over rounds, 'errors': [...]}} with the
+    metrics latency_ms, throughput, step_ms, peak_mem_mb (and batch of `maxbatch`)."""
+    groups = {}
+    for s in samples:
+        groups.setdefault((s['model'], s['kind'], size_key(s['size']), s['batch'] if s['kind'] != 'maxbatch'
+                           else 0), []).append(s)
     out = {}
-    for name in dict.fromkeys(r['model'] for r in results):
-        lat = {tuple(r['size']): r.get('latency_ms') for r in results if r['model'] == name}
-        exps = {}
-        pairs = list(zip(sizes, sizes[1:])) + ([(sizes[0], sizes[-1])] if len(sizes) > 2 else [])
+    for key, ss in groups.items():
+        ok = [s for s in ss if 'error' not in s]
+        row = {m: stat([s.get(m) for s in ok]) for m in ('latency_ms', 'throughput', 'step_ms', 'peak_mem_mb',
+                                                         'batch')}
+        row['errors'] = sorted({s['error'] for s in ss if 'error' in s})
+        row['rounds'] = len(ok)
+        out[key] = row
+    return out
+
+
+def ratio(ours, theirs, higher_is_better=False):
+    """Ratio of two (median, min, max) stats with its range from the extremes: theirs / ours (a speed-up, for
+    times) or ours / theirs (`higher_is_better=False` ... for memory use `memory_ratio`)."""
+    if ours is None or theirs is None:
+        return None
+    return theirs[0] / ours[0], theirs[1] / ours[2], theirs[2] / ours[1]
+
+
+def memory_ratio(ours, theirs):
+    """ours / theirs of two (median, min, max) memory stats, with its range."""
+    if ours is None or theirs is None:
+        return None
+    return ours[0] / theirs[0], ours[1] / theirs[2], ours[2] / theirs[1]
+
+
+def crossover(points):
+    """The resolution where a speed-up crosses 1: `points` is [(tokens, speed-up)] in any order; between the
+    last pair of consecutive points going from < 1 to >= 1, log(speed-up) is interpolated linearly in
+    log(tokens). Returns the tokens there (float), the first point's tokens if it is already >= 1 everywhere,
+    None if it never gets there."""
+    pts = sorted(points)
+    if not pts:
+        return None
+    if all(r >= 1 for _, r in pts):
+        return float(pts[0][0])
+    if pts[-1][1] < 1:
+        return None
+    i = max(j for j in range(len(pts) - 1) if pts[j][1] < 1 <= pts[j + 1][1])
+    (t0, r0), (t1, r1) = pts[i], pts[i + 1]
+    f = -math.log(r0) / (math.log(r1) - math.log(r0)) if r1 != r0 else 0.
+    return math.exp(math.log(t0) + f * (math.log(t1) - math.log(t0)))
+
+
+def _fmt(st, digits=0, unit=''):
+    if st is None:
+        return '–'
+    f = f'{{:.{digits}f}}'
+    med, lo, hi = (f.format(v) for v in st)
+    return f'{med}{unit} ({lo}–{hi})' if lo != hi else f'{med}{unit}'
+
+
+def _fmt_ratio(r):
+    return '–' if r is None else f'{r[0]:.2f}× ({r[1]:.2f}–{r[2]:.2f})'
+
+
+def _cell(row, metric, digits=0):
+    if row is None:
+        return '–'
+    if row[metric] is None and row['errors']:
+        return 'failed: ' + '; '.join(row['errors'])[:80].replace('|', '/')
+    return _fmt(row[metric], digits)
+
+
+def _sizes(samples):
+    return sorted({tuple(s['size']) for s in samples}, key=lambda s: (s[0] * s[1], s))
+
+
+def render(results):
+    """The generated section of docs/benchmark.md (markdown, deterministic in `results`)."""
+    samples = results['samples']
+    summ = summarize(samples)
+    models = list(dict.fromkeys(s['model'] for s in samples))
+    sizes = _sizes(samples)
+    env = results.get('env', {})
+    lines = []
+    if results.get('smoke'):
+        lines += ['> **Smoke run, not a benchmark**: ' + results.get('note', 'tiny settings; figures mean nothing.'),
+                  '']
+    dev = env.get('gpu') or env.get('cpu') or env.get('machine')
+    lines += [f'Run: {env.get("date")}, commit `{env.get("commit")}`, {env.get("device")} ({dev}, '
+              f'torch threads: {env.get("threads")}), torch {env.get("torch")}, mmdet {env.get("mmdet")}, mmpretrain '
+              f'{env.get("mmpretrain")}; {results.get("config", {}).get("rounds")} rounds, warm-up '
+              f'{results.get("config", {}).get("warmup")}, timed iterations per measurement: '
+              f'{results.get("config", {}).get("iters")}. Cells: median over rounds (min–max).', '']
+
+    def table(title, kind, metric, digits, batches=None):
+        keys = [k for k in summ if k[1] == kind]
+        bs = sorted({k[3] for k in keys}) if batches is None else batches
+        if not keys:
+            return []
+        out = [f'### {title}', '', '| model | batch | ' + ' | '.join(f'{h}×{w}' for h, w in sizes) + ' |',
+               '|---|---|' + '---|' * len(sizes)]
+        for m in models:
+            for b in bs:
+                cells = [_cell(summ.get((m, kind, size_key(sz), b)), metric, digits) for sz in sizes]
+                if any(c != '–' for c in cells):
+                    out.append(f'| {label(m)} | {b if kind != "maxbatch" else "largest"} | ' + ' | '.join(cells)
+                               + ' |')
+        return out + ['']
+
+    lines += table('Inference latency (ms, no grad)', 'infer', 'latency_ms', 0)
+    lines += table('Inference throughput (images/s)', 'infer', 'throughput', 2)
+    lines += table('Training step (ms: forward, backward, AdamW step)', 'train', 'step_ms', 0)
+    lines += table('Training-step peak memory (MB above the model and input)', 'train', 'peak_mem_mb', 0)
+    lines += table('Inference peak memory (MB)', 'infer', 'peak_mem_mb', 0)
+    budget = next((s.get('budget_mb') for s in samples if s['kind'] == 'maxbatch'), None)
+    lines += table(f'Largest inference batch within {budget} MB', 'maxbatch', 'batch', 0, [0])
+    lines += table(f'Throughput at the largest batch within {budget} MB (images/s)', 'maxbatch', 'throughput', 2,
+                   [0])
+    # ratios
+    pairs = [(a, b) for a, b in PAIRS if a in models and b in models]
+    if pairs:
+        lines += ['### Ratios (speed: their time / ours; memory: ours / theirs; range from the extremes)', '',
+                  '| ours vs theirs | batch | size | inference speed | training speed | training memory |',
+                  '|---|---|---|---|---|---|']
         for a, b in pairs:
-            if lat.get(a) and lat.get(b):
-                exps[f'{a[0]}x{a[1]}->{b[0]}x{b[1]}'] = (math.log(lat[b] / lat[a]) /
-                                                          math.log(tokens(b) / tokens(a)))
-        out[name] = exps
-    return out
+            for bt in sorted({k[3] for k in summ if k[0] == a and k[1] in ('infer', 'train')}):
+                for sz in sizes:
+                    g = lambda m, k, met: (summ.get((m, k, size_key(sz), bt)) or {}).get(met)  # noqa: E731
+                    r = [ratio(g(a, 'infer', 'latency_ms'), g(b, 'infer', 'latency_ms')),
+                         ratio(g(a, 'train', 'step_ms'), g(b, 'train', 'step_ms')),
+                         memory_ratio(g(a, 'train', 'peak_mem_mb'), g(b, 'train', 'peak_mem_mb'))]
+                    if any(r):
+                        lines.append(f'| {label(a)} vs {label(b)} | {bt} | {sz[0]}×{sz[1]} | '
+                                     + ' | '.join(_fmt_ratio(x) for x in r) + ' |')
+        lines += ['']
+        lines += ['### Crossover (where ours overtakes theirs, batch 1)', '',
+                  '| ours vs theirs | inference | training step |', '|---|---|---|']
+        for a, b in pairs:
+            cells = []
+            for kind, met in (('infer', 'latency_ms'), ('train', 'step_ms')):
+                pts = []
+                for sz in sizes:
+                    ra = ratio((summ.get((a, kind, size_key(sz), 1)) or {}).get(met),
+                               (summ.get((b, kind, size_key(sz), 1)) or {}).get(met))
+                    if ra:
+                        pts.append((sz[0] * sz[1], ra[0]))
+                c = crossover(pts) if len(pts) >= 2 else None
+                cells.append('–' if len(pts) < 2 else 'not within the sizes measured' if c is None
+                             else f'≈ {math.sqrt(c):.0f}² pixels' + (' (at the smallest size already)'
+                                                                     if c == min(p[0] for p in pts) else ''))
+            lines.append(f'| {label(a)} vs {label(b)} | ' + ' | '.join(cells) + ' |')
+        lines += ['']
+    return '\n'.join(lines).rstrip() + '\n'
 
 
-def plot(summary, path):
+def replace_section(doc, section):
+    """`doc` with the text between the BEGIN and END markers replaced by `section`; ValueError if the markers
+    are missing."""
+    if BEGIN not in doc or END not in doc or doc.index(BEGIN) > doc.index(END):
+        raise ValueError(f'the page has no {BEGIN} ... {END} section to replace')
+    head, rest = doc.split(BEGIN, 1)
+    return head + BEGIN + '\n' + section + END + rest.split(END, 1)[1]
+
+
+def plot(results, path):
+    """Speed and training memory vs resolution of the PAIRS' models (batch 1): log-log, one line per model."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    colors = {}
-    cycle = plt.rcParams['axes.prop_cycle'].by_key()['color']
-    for name, rows in summary['by_model'].items():
-        base = name[:-len(AUTHORS_TAG)] if name.endswith(AUTHORS_TAG) else name
-        color = colors.setdefault(base, cycle[len(colors) % len(cycle)])
-        style = dict(linestyle='--', marker='x') if base != name else dict(marker='o')  # authors': dashed
-        rows = sorted(rows, key=lambda r: r['tokens'])
-        for ax, key in zip(axes, ('latency_ms', 'train_peak_mem_mb')):
-            pts = [(r['tokens'], r[key]) for r in rows if r.get(key)]
+    summ = summarize(results['samples'])
+    models = [m for m in dict.fromkeys(x for p in PAIRS[:3] for x in p)
+              if any(k[0] == m for k in summ)]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    for m in models:
+        for ax, (kind, met) in zip(axes, (('infer', 'latency_ms'), ('train', 'step_ms'), ('train', 'peak_mem_mb'))):
+            pts = sorted((k[2], v[met]) for k, v in summ.items() if k[0] == m and k[1] == kind and k[3] == 1
+                         and v[met])
+            pts = sorted((parse_size(sk)[0] * parse_size(sk)[1], st) for sk, st in pts)
             if pts:
-                ax.plot(*zip(*pts), color=color, label=name, **style)
-    for ax, title in zip(axes, ('inference latency (ms, median)', 'training-step peak memory (MB)')):
+                x = [math.sqrt(p[0]) for p in pts]
+                ax.errorbar(x, [p[1][0] for p in pts], yerr=[[p[1][0] - p[1][1] for p in pts],
+                                                              [p[1][2] - p[1][0] for p in pts]],
+                            marker='o', capsize=3, label=label(m), linestyle='--' if m in ('deit_t', 'deit_t_plain',
+                                                                                            'swin_t') else '-')
+    for ax, title in zip(axes, ('inference latency (ms)', 'training step (ms)', 'training-step peak memory (MB)')):
         ax.set_xscale('log')
         ax.set_yscale('log')
-        ax.set_xlabel('tokens at stride 4')
+        ax.set_xlabel('resolution (sqrt of H x W, pixels)')
         ax.set_title(title)
         ax.grid(True, which='both', alpha=.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f'{summary["device"]} - batch {summary["batch"]} - torch {summary["torch"]}', fontsize=9)
+        ax.legend(fontsize=7)
+    env = results.get('env', {})
+    fig.suptitle(('SMOKE RUN (meaningless figures) - ' if results.get('smoke') else '')
+                 + f'{env.get("device")} - batch 1 - torch {env.get("torch")}', fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100, metadata={'Software': None})
     plt.close(fig)
 
 
-def dumps(obj):
-    return json.dumps(obj, indent=2)
+if __name__ == '__main__':   # one measurement, in the fresh process run_subprocess starts
+    print('SAMPLE ' + json.dumps(measure(json.loads(sys.argv[1]))), flush=True)

@@ -1,6 +1,6 @@
 """Training-step benchmark of one backbone: wall time of full training iterations (forward, backward of the
 summed output means, AdamW step, zero_grad) after warm-up, split into forward / backward / optimizer, and the
-step's peak memory; run once per fresh subprocess by tools/analysis/train_benchmark.py.
+step's peak memory; measured (fresh subprocess per measurement) by tools/analysis/benchmark.py (kind `train`).
 
 Memory: on CUDA torch.cuda.max_memory_allocated() above what the model and input held before the first step;
 on CPU the process's peak resident set (ru_maxrss) above its resident set before the first step. Both include
@@ -8,13 +8,11 @@ what a training step really holds: activations, gradients and AdamW's two moment
 fixed part, 3 x 4 bytes per parameter in fp32).
 """
 import resource
-import statistics
 import time
 
 import torch
 
-from .benchmark import AUTHORS_TAG, _rss_bytes, _sync, tokens
-from .models import build
+from .benchmark import _rss_bytes, _sync
 
 #: recompute / activation-checkpointing combinations measured per family (`--variants`): the key is the
 #: model's name suffix in the results, the value its config overrides. `default` is the backbone's
@@ -30,14 +28,6 @@ VARIANTS = {
 #: names of the defaults of each family in VARIANTS (H-ViT3: recompute=True, with_cp=False, ...)
 DEFAULT_MEANING = {'HViT3': 'recompute=True, with_cp=False', 'L2ViT': 'recompute=True, with_cp=False',
                    'ResT': 'recompute=True (chunked, recomputed attention), with_cp=False'}
-
-
-def build_model(name, extra_cfg=None, authors_root=None):
-    """Our model `name` (MODELS key, config overrides `extra_cfg`) or, for `<key>@authors`, theirs."""
-    if name.endswith(AUTHORS_TAG):
-        from . import authors
-        return authors.build(name[:-len(AUTHORS_TAG)], authors_root)
-    return build(name, extra_cfg)
 
 
 def _loss(outputs):
@@ -88,21 +78,3 @@ def train_steps(model, x, warmup, iters, lr=1e-4, memory=True):
             raise RuntimeError('the training steps did not raise the process peak RSS; cannot measure them')
         peak = (peak_rss - base) / 2**20
     return steps, peak
-
-
-def worker(name, size, batch, warmup, iters, device, extra_cfg=None, authors_root=None):
-    """One training-step measurement (fresh process); a JSON-able dict."""
-    torch.manual_seed(0)
-    dev = torch.device(device)
-    if name.endswith(AUTHORS_TAG):
-        from . import authors
-        authors.check_size(name[:-len(AUTHORS_TAG)], size)
-    model = build_model(name, extra_cfg, authors_root).to(dev)
-    x = torch.randn(batch, 3, *size, device=dev)
-    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    steps, peak = train_steps(model, x, warmup, iters)
-    med = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
-    return dict(model=name, size=list(size), tokens=tokens(size), batch=batch, mode='train',
-                extra_cfg=extra_cfg or {}, params=params, step_ms=med['total_ms'], forward_ms=med['forward_ms'],
-                backward_ms=med['backward_ms'], optimizer_ms=med['optimizer_ms'], steps=steps,
-                train_peak_mem_mb=peak, state_mb=params * 12 / 2**20)

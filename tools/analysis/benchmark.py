@@ -1,205 +1,149 @@
-"""Side-by-side backbone benchmark across resolutions: inference latency (median after warm-up),
-throughput, training-step peak memory, latency-vs-tokens scaling exponents; writes a JSON file and a
-log-log PNG plot.
+"""The benchmark: every backbone the project knows (ours, the authors' code, mmpretrain's DeiT / ViT, mmdet's
+Swin / PVTv2), inference latency and throughput, the largest batch within a memory budget, training-step time
+and peak memory, across resolutions, on CPU or CUDA; one results file, from which docs/benchmark.md's tables
+and plot are generated.
 
-    python tools/analysis/benchmark.py [--models hvit3_t l2vit_t rest_s swin_t pvtv2_b2]
-        [--sizes 224 512 800x1344 1248] [--batch 1] [--warmup 2] [--iters 5] [--device cpu|cuda]
-        [--out-dir work_dirs/benchmark] [--authors-code ViTTT=PATH L2ViT=PATH ResT=PATH]
+    python tools/analysis/benchmark.py run [--suite headline|detection|all] [--models ...] [--sizes 224 800x1344 ...]
+        [--batches 1 2] [--kinds infer train maxbatch] [--rounds 3] [--warmup 1] [--iters 3]
+        [--budget-mb 8000] [--device cpu|cuda] [--authors-code FAMILY=PATH ...] [--timeout S] [--smoke]
+        --out results.json
+    python tools/analysis/benchmark.py render results.json [--doc docs/benchmark.md] [--plot docs/benchmark.png]
+    python tools/analysis/benchmark.py models
 
-How it measures: every (model, size) measurement runs in a fresh Python subprocess, so no allocator state
-or cache carries over. Latency: `--warmup` then `--iters` no-grad forwards, median wall time (CUDA:
-synchronised). Memory of one training step (forward + backward of the summed outputs): on CUDA
-torch.cuda.max_memory_allocated() minus the memory allocated before the step; on CPU the process's peak
-resident set (getrusage ru_maxrss) minus its resident set just before the step (model and input already
-built), i.e. what the step itself adds. Ratios between models in one run are what matter; absolute
-numbers depend on the machine. Models: see MODELS in mmplugin_l2/analysis/benchmark.py (ours plus mmdet's
-Swin-T and PVTv2-b2).
-
-Against the authors' code: `--authors-code FAMILY=PATH ...` names the root of a clone of their repository
-per family, ViTTT (github.com/Liyining-ai/ViTTT: H-ViT3), L2ViT (github.com/ChuanyangZheng/L2ViT) and ResT
-(github.com/wofmanaf/ResT); timm must be installed (`pip install timm`). Their dense-prediction backbone file
-is imported from the checkout (mmplugin_l2/analysis/authors.py; nothing is copied) and each of --models
-with a counterpart there (hvit3_*, l2vit_*, rest_*) is also measured as `<model>@authors` by the same
-protocol. Once per model, at the smallest size, a parity check loads their randomly initialised weights
-(norms and BatchNorm statistics randomised too) into ours and reports max |ours - theirs| per stage (eval
-mode, batch 2, their model called once first). Our models are measured in the configuration that
-reproduces the authors' outputs: ResT with norm_in_path=True (their detectron2 backbone's output norms of
-stages 1-3 feed the next stage; same cost as the default side branch); the others as in MODELS. The
-authors' ResT needs H, W mod 32 in {0, 29, 30, 31}. Printed and in the JSON (`vs_authors`, `parity`):
-speedup = their latency / ours, mem_ratio = our training-step peak / theirs. Their lines are dashed in
-the plot.
+`run`: every measurement in a fresh Python process; per round every model once per (kind, size, batch), the
+models' order rotating between rounds; the results file (machine, versions, commit, every sample) is rewritten
+after each measurement. A suite sets models, sizes, batches and kinds; the other flags override them. A failed
+measurement (an exception, out of memory, --timeout) is kept as a sample with its one-line error.
+`maxbatch`: batches 1, 2, 4, ... until the inference peak memory exceeds --budget-mb, then bisection; each
+probe a fresh process; then the throughput at the batch found. `<model>@authors` (e.g. hvit3_t@authors) is the
+authors' implementation from their checkout, `--authors-code ViTTT=PATH L2ViT=PATH ResT=PATH` (timm needed).
+`render`: the tables (median over rounds, min-max) and ratios between the docs' model pairs, the crossover
+resolution, written between the generated markers of --doc; the plot to --plot.
 """
 import argparse
 import json
 import os
 import os.path as osp
-import platform
-import subprocess
 import sys
-
 
 from mmplugin_l2.analysis import authors
 from mmplugin_l2.analysis import benchmark as bm
+from mmplugin_l2.analysis.models import MODELS, label
+
+ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 
+def _size(s):
+    try:
+        return bm.parse_size(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+    p = argparse.ArgumentParser(prog='benchmark.py', description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split('\n\n', 2)[2])
-    p.add_argument('--models', nargs='+', default=bm.DEFAULT_MODELS, choices=sorted(bm.MODELS))
-    p.add_argument('--sizes', nargs='+', default=bm.DEFAULT_SIZES, help='H or HxW')
-    p.add_argument('--batch', type=int, default=1)
-    p.add_argument('--warmup', type=int, default=2)
-    p.add_argument('--iters', type=int, default=5)
-    p.add_argument('--device', default='cuda' if _cuda() else 'cpu')
-    p.add_argument('--no-memory', action='store_true', help='skip the training-step memory measurements')
-    p.add_argument('--out-dir', default='work_dirs/benchmark')
-    p.add_argument('--authors-code', nargs='+', type=authors.family_path, default=[], metavar='FAMILY=PATH',
-                   help='also measure the authors\' implementations from these checkouts, FAMILY one of '
-                        f'{", ".join(authors.FAMILIES)} (see below)')
-    p.add_argument('--worker', nargs=3, metavar=('MODEL', 'SIZE', 'MODE'), help=argparse.SUPPRESS)
-    p.add_argument('--authors-root', help=argparse.SUPPRESS)
-    p.add_argument('--cfg', help=argparse.SUPPRESS)
+    sub = p.add_subparsers(dest='command', required=True)
+    r = sub.add_parser('run', help='measure and write a results file')
+    r.add_argument('--suite', choices=sorted(bm.SUITES), default='headline')
+    r.add_argument('--models', nargs='+', help='MODELS names or <ours>@authors (default: the suite\'s)')
+    r.add_argument('--sizes', nargs='+', type=_size, help='H or HxW (default: the suite\'s)')
+    r.add_argument('--batches', nargs='+', type=int)
+    r.add_argument('--kinds', nargs='+', choices=bm.KINDS)
+    r.add_argument('--rounds', type=int, default=3)
+    r.add_argument('--warmup', type=int, default=1)
+    r.add_argument('--iters', type=int, default=3)
+    r.add_argument('--budget-mb', type=float, default=8000., help='memory budget of maxbatch (MB)')
+    r.add_argument('--max-batch', type=int, default=256)
+    r.add_argument('--device', default='cpu')
+    r.add_argument('--authors-code', nargs='+', type=authors.family_path, default=[], metavar='FAMILY=PATH')
+    r.add_argument('--timeout', type=float, default=None, help='seconds per measurement (default: none)')
+    r.add_argument('--smoke', action='store_true', help='label the results a smoke run (not a benchmark)')
+    r.add_argument('--out', required=True, help='results JSON')
+    d = sub.add_parser('render', help='write docs tables and plot from a results file')
+    d.add_argument('results')
+    d.add_argument('--doc', default=osp.join(ROOT, 'docs', 'benchmark.md'))
+    d.add_argument('--plot', default=osp.join(ROOT, 'docs', 'benchmark.png'))
+    d.add_argument('--check', action='store_true', help='exit 1 if --doc differs from what render writes')
+    sub.add_parser('models', help='list the model table')
     args = p.parse_args(argv)
-    args.authors_code = authors.checked_roots(args.authors_code, p.error)
+    if args.command == 'run':
+        for k, v in bm.SUITES[args.suite].items():
+            if getattr(args, k) is None:
+                setattr(args, k, [bm.parse_size(s) for s in v] if k == 'sizes' else list(v))
+        if min(args.rounds, args.iters, *args.batches) < 1 or args.warmup < 0:
+            p.error('--rounds, --iters and --batches must be >= 1, --warmup >= 0')
+        if args.device != 'cpu' and not args.device.startswith('cuda'):
+            p.error(f'--device {args.device!r}: allowed cpu, cuda, cuda:N')
+        roots = authors.checked_roots(args.authors_code, p.error)
+        for m in args.models:
+            try:
+                bm.check_name(m, roots)
+            except ValueError as e:
+                p.error(str(e))
+        args.authors_roots = roots
+        if any(m.endswith(bm.AUTHORS_TAG) for m in args.models):
+            try:
+                authors.require_timm()
+            except ImportError as e:
+                p.error(str(e))
+        out_dir = osp.dirname(osp.abspath(args.out))
+        if not osp.isdir(out_dir):
+            os.makedirs(out_dir)
+    elif args.command == 'render' and not osp.isfile(args.results):
+        p.error(f'results file {args.results} not found')
     return args
-
-
-def compared_models(models, authors_code):
-    """{model: checkout root} for the models of `models` whose authors' family has a checkout."""
-    return {n: authors_code[authors.AUTHORS[n][0]] for n in models
-            if n in authors.AUTHORS and authors.AUTHORS[n][0] in authors_code}
-
-
-def _cuda():
-    import torch
-    return torch.cuda.is_available()
-
-
-def run_one(args, name, size, mode, root=None, cfg=None):
-    cmd = [sys.executable, osp.abspath(__file__), '--worker', name, f'{size[0]}x{size[1]}', mode,
-           '--batch', str(2 if mode == 'parity' else args.batch), '--warmup', str(args.warmup),
-           '--iters', str(args.iters), '--device', args.device]
-    cmd += ['--authors-root', root] if root else []
-    cmd += ['--cfg', json.dumps(cfg)] if cfg else []
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith('{')]
-    if r.returncode != 0 or not lines:
-        err = (r.stderr.strip().splitlines() or ['no output'])[-1]
-        return dict(model=name, size=list(size), tokens=bm.tokens(size), mode=mode, error=err)
-    return json.loads(lines[-1])
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.worker:
-        name, size, mode = args.worker
-        print(json.dumps(bm.worker(name, bm.parse_size(size), mode, args.batch, args.warmup, args.iters,
-                                   args.device, json.loads(args.cfg) if args.cfg else None,
-                                   args.authors_root)))
-        return
-    import torch
-    sizes = [bm.parse_size(s) for s in args.sizes]
-    modes = ['latency'] + ([] if args.no_memory else ['memory'])
-    compared = compared_models(args.models, args.authors_code)
-    if args.authors_code and not compared:
-        print(f'note: none of --models {" ".join(args.models)} has a counterpart in the authors\' code given '
-              f'({", ".join(args.authors_code)}); known: {", ".join(sorted(authors.AUTHORS))}')
-    if compared:
+    if args.command == 'models':
+        for name, cfg in MODELS.items():
+            print(f'{name:14s} {label(name):52s} {cfg["type"]}')
+        for name, (fam, _) in authors.AUTHORS.items():
+            print(f'{name + bm.AUTHORS_TAG:14s} {label(name + bm.AUTHORS_TAG):52s} needs --authors-code {fam}=PATH')
+        return 0
+    if args.command == 'render':
+        with open(args.results) as f:
+            results = json.load(f)
+        if results.get('format') != bm.FORMAT:
+            raise SystemExit(f'benchmark.py: error: {args.results} is not a results file of this tool '
+                             f'(format {results.get("format")!r}, expected {bm.FORMAT!r})')
+        with open(args.doc) as f:
+            doc = f.read()
         try:
-            authors.require_timm()
-        except ImportError as e:
-            raise SystemExit(f'benchmark.py: error: {e}')
-    ours_cfg = {n: authors.OURS_MATCHING_CFG[n] for n in compared if n in authors.OURS_MATCHING_CFG}
-    smallest = min(sizes, key=bm.tokens)
-    jobs = []  # (name, size, mode, authors' root, extra config of ours)
-    for n in args.models:
-        root = compared.get(n)
-        if root:
-            jobs.append((n, smallest, 'parity', root, None))
-    # size-major, ours next to the authors' and the other models: a ratio compares measurements taken
-    # minutes apart, not half an hour apart (shared machines drift)
-    for s in sizes:
-        for m in modes:
-            for n in args.models:
-                jobs.append((n, s, m, None, ours_cfg.get(n)))
-                if compared.get(n):
-                    jobs.append((n + bm.AUTHORS_TAG, s, m, compared[n], None))
-    width = max([9] + [len(j[0]) for j in jobs])
-    raw, parity = [], {}
-    for i, (name, size, mode, root, cfg) in enumerate(jobs, 1):
-        res = run_one(args, name, size, mode, root, cfg)
-        raw.append(res)
-        if 'error' in res:
-            msg = f'failed: {res["error"]}'
-        elif mode == 'latency':
-            msg = f'{res["latency_ms"]:10.1f} ms  {res["throughput"]:8.2f} img/s'
-        elif mode == 'parity':
-            msg = f'max |ours - authors| {res["max_abs_diff"]:.1e} over {len(res["stages"])} stages'
-        else:
-            msg = f'{res["train_peak_mem_mb"]:10.1f} MB train-step peak'
-        if mode == 'parity':
-            parity[name] = res
-        print(f'[{i:3d}/{len(jobs)}] {name:{width}s} {size[0]}x{size[1]:<5d} {mode:8s} {msg}', flush=True)
-
-    by_model = {}
-    for r in raw:
-        if r['mode'] == 'parity':
-            continue
-        row = next((x for x in by_model.setdefault(r['model'], []) if x['size'] == r['size']), None)
-        if row is None:
-            row = dict(size=r['size'], tokens=r['tokens'], latency_ms=None, throughput=None,
-                       train_peak_mem_mb=None, params=r.get('params'))
-            by_model[r['model']].append(row)
-        for key in ('latency_ms', 'throughput', 'train_peak_mem_mb', 'params'):
-            if r.get(key) is not None:
-                row[key] = r[key]
-        if 'error' in r:
-            row.setdefault('errors', {})[r['mode']] = r['error']
-    lat_rows = [dict(model=m, size=row['size'], latency_ms=row['latency_ms'])
-                for m, rows in by_model.items() for row in rows]
-    summary = dict(device=args.device, machine=f'{platform.machine()}, {os.cpu_count()} CPUs'
-                   + (f', {torch.cuda.get_device_name()}' if args.device.startswith('cuda') else ''),
-                   torch=torch.__version__, batch=args.batch, warmup=args.warmup, iters=args.iters,
-                   sizes=[list(s) for s in sizes], by_model=by_model,
-                   scaling_exponent=bm.scaling_exponents(lat_rows, sizes), authors_code=args.authors_code,
-                   ours_cfg=ours_cfg, parity=parity, vs_authors=bm.vs_authors(by_model, parity), raw=raw)
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(osp.join(args.out_dir, 'benchmark.json'), 'w') as f:
-        f.write(bm.dumps(summary))
-    bm.plot(summary, osp.join(args.out_dir, 'benchmark.png'))
-
-    head = f'{"model":{width}s} {"size":>9s} {"tokens":>7s} {"latency ms":>11s} {"img/s":>8s} {"train MB":>9s}'
-    print('\n' + head)
-    for name, rows in by_model.items():
-        for row in rows:
-            def f(v, fmt):
-                return format(v, fmt) if v is not None else '-'.rjust(int(fmt.split('.')[0]))
-            print(f'{name:{width}s} {row["size"][0]:>4d}x{row["size"][1]:<4d} {row["tokens"]:7d} '
-                  f'{f(row["latency_ms"], "11.1f")} {f(row["throughput"], "8.2f")} '
-                  f'{f(row["train_peak_mem_mb"], "9.1f")}')
-    for name, cfg in ours_cfg.items():
-        print(f'({name} measured with {json.dumps(cfg)}, the configuration that reproduces the authors\' outputs)')
-    print('\nscaling exponent of latency vs tokens:')
-    for name, exps in summary['scaling_exponent'].items():
-        print(f'  {name:{width}s} ' + ('  '.join(f'{k}: {v:.2f}' for k, v in exps.items()) or '-'))
-    if compared:
-        print('\nvs the authors\' code (forward: their latency / ours; train memory: our peak / theirs):')
-        for name in compared:
-            r = parity.get(name, {})
-            if 'error' in r:
-                print(f'  {name} parity failed: {r["error"]}')
-            elif r:
-                print(f'  {name} parity at {r["size"][0]}x{r["size"][1]} (batch {r["batch"]}, eval, random weights'
-                      f'{", ours with " + json.dumps(r["ours_cfg"]) if r["ours_cfg"] else ""}): max |ours - authors| '
-                      f'per stage ' + ' '.join(f'{st["max_abs_diff"]:.1e}' for st in r['stages']))
-            for key, v in summary['vs_authors'].get(name, {}).items():
-                print('  ' + bm.format_vs_authors(name, key, v))
-    print(f'\nwrote {args.out_dir}/benchmark.json and benchmark.png')
-    return summary
+            new = bm.replace_section(doc, bm.render(results))
+        except ValueError as e:
+            raise SystemExit(f'benchmark.py: error: {args.doc}: {e}') from None
+        if args.check:
+            if new != doc:
+                print(f'{args.doc} differs from render of {args.results}')
+                return 1
+            print(f'{args.doc} is up to date with {args.results}')
+            return 0
+        with open(args.doc, 'w') as f:
+            f.write(new)
+        bm.plot(results, args.plot)
+        print(f'wrote the tables of {args.doc} and {args.plot}')
+        return 0
+    specs = bm.schedule(args.models, args.sizes, args.batches, args.kinds, args.rounds)
+    common = dict(warmup=args.warmup, iters=args.iters, device=args.device, budget_mb=args.budget_mb,
+                  max_batch=args.max_batch, authors_roots=args.authors_roots)
+    config = dict(suite=args.suite, models=args.models, sizes=[list(s) for s in args.sizes], batches=args.batches,
+                  kinds=args.kinds, rounds=args.rounds, warmup=args.warmup, iters=args.iters,
+                  budget_mb=args.budget_mb, command=' '.join(['python', 'tools/analysis/benchmark.py']
+                                                              + sys.argv[1:] if argv is None else argv))
+    results = dict(format=bm.FORMAT, smoke=args.smoke, env=bm.environment(args.device), config=config, samples=[])
+    if args.smoke:
+        results['note'] = ('tiny sizes and one round, run only to show the format; replace with a real run '
+                           '(see "How to run").')
+    print(f'{len(specs)} measurements -> {args.out}', flush=True)
+    bm.run(specs, common, args.out, results, timeout=args.timeout, log=lambda s: print(s, flush=True))
+    failed = [s for s in results['samples'] if 'error' in s]
+    print(f'wrote {args.out} ({len(results["samples"])} samples, {len(failed)} failed)')
+    return 0
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(main())

@@ -3,15 +3,15 @@ latency and achieved GMAC/s against the measured fp32 matmul peak and copy bandw
 whole model and per layer. Writes roofline.json and roofline.png.
 
     python tools/analysis/roofline.py [--models hvit3_t l2vit_t rest_s] [--size 800x1344] [--batch 1]
-        [--train | --train-json work_dirs/train_benchmark/train_benchmark.json] [--device cpu|cuda]
+        [--train] [--device cpu|cuda]
         [--out-dir work_dirs/roofline]
 
 Peak: the best of 5 fp32 2048 x 2048 matmuls on the same threads (n^3 multiply-adds); bandwidth: the best of 5
 copies of 256 MB (bytes read + written). Inference: one no-grad forward after a warm-up, timed per layer
 with forward hooks (mmplugin_l2/analysis/roofline.py says what a layer is). Training: GMAC/s counted as
 3 x the forward's multiply-adds (forward + two backward products) per training step, the step time measured
-here (`--train`: one step after one warm-up, AdamW) or read from a train_benchmark.py JSON (`--train-json`,
-its median at the same size and batch); recomputation adds work that this figure does not count.
+here (`--train`: one step after one warm-up, AdamW); recomputation adds work that this figure does not count.
+Side-by-side step times across models and sizes: tools/analysis/benchmark.py.
 """
 import argparse
 import json
@@ -26,14 +26,6 @@ from mmplugin_l2.analysis.benchmark import parse_size
 from mmplugin_l2.analysis.models import MODELS, build
 
 
-def _train_time(path, size, batch, name):
-    with open(path) as f:
-        table = json.load(f)['table']
-    row = table.get(f'{size[0]}x{size[1]}/b{batch}', {}).get(name) or {}
-    step = (row.get('step_ms') or {}).get('median')
-    return step / 1e3 if step else None
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -41,9 +33,7 @@ def main(argv=None):
     p.add_argument('--models', nargs='+', default=['hvit3_t', 'l2vit_t', 'rest_s'], choices=sorted(MODELS))
     p.add_argument('--size', default='800x1344')
     p.add_argument('--batch', type=int, default=1)
-    g = p.add_mutually_exclusive_group()
-    g.add_argument('--train', action='store_true', help='measure a training step per model')
-    g.add_argument('--train-json', help='training-step times from tools/analysis/train_benchmark.py')
+    p.add_argument('--train', action='store_true', help='measure a training step per model')
     p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     p.add_argument('--out-dir', default='work_dirs/roofline')
     args = p.parse_args(argv)
@@ -78,14 +68,6 @@ def main(argv=None):
             of = '-' if s['gmacs'] is None else f'{s["gmacs"] / summary["peak_gmacs"]:7.0%}'
             print(f'  {grp:34s} {s["share"]:6.0%} {s["macs"] / 1e9:7.2f} {gm:>7s} {of:>7s} {mb:>6s}')
         del model
-    if args.train_json:  # read at the end: the file may be written by a benchmark still running at the start
-        if not osp.isfile(args.train_json):
-            raise SystemExit(f'roofline.py: error: --train-json {args.train_json} not found')
-        for name, res in summary['models'].items():
-            step = _train_time(args.train_json, size, args.batch, name)
-            res.update(train_step_s=step, train_gmacs=3 * res['macs'] / step / 1e9 if step else None)
-            if step:
-                print(f'{name}: training {step:.1f} s/step (from {args.train_json}) = {res["train_gmacs"]:.1f} GMAC/s')
     summary['title'] = (f'{summary["machine"]}, {summary["threads"]} threads, torch {summary["torch"]}: '
                         f'{size[0]}x{size[1]}, batch {args.batch}, fp32')
     os.makedirs(args.out_dir, exist_ok=True)
