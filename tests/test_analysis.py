@@ -378,3 +378,27 @@ def test_roofline_times_a_layer_run_inside_another_once():
     assert in_layers <= prof['seconds']
     norms = [s for g, s in prof['layers'].items() if g.endswith('/ LayerNorm')]
     assert norms and all(s['calls'] > 0 for s in norms)
+
+
+def test_merge_pools_runs_and_render_names_each(tmp_path):
+    from mmplugin_l2.analysis import benchmark as bm
+    a = dict(format=bm.FORMAT, env=dict(device='cpu', commit='aaa'), config=dict(rounds=1),
+             samples=[_sample('vit3_t', 'infer', (224, 224), 0, 10., 1.), _sample('deit_t', 'infer', (224, 224), 0, 20.,
+                                                                               1.)])
+    b = dict(format=bm.FORMAT, env=dict(device='cpu', commit='bbb'), config=dict(rounds=1), smoke=True, note='n',
+             samples=[_sample('vit3_t', 'infer', (224, 224), 0, 30., 1.), _sample('vit3_t', 'train', (512, 512), 0, 5.,
+                                                                               2.)])
+    m = bm.merge([a, b])
+    assert [s['run'] for s in m['samples']] == [0, 0, 1, 1] and m['smoke'] and m['note'] == 'n'
+    assert [r['env']['commit'] for r in m['runs']] == ['aaa', 'bbb']
+    assert bm.merge([m])['samples'] == m['samples']          # merging a merged file keeps its runs
+    md = bm.render(m)
+    assert 'Run 1: None, commit `aaa`' in md and 'Run 2: None, commit `bbb`' in md
+    assert '| ViT3-T | 1 | 20 (10–30) | – |' in md          # the two runs' samples pooled
+    with pytest.raises(ValueError, match='run 1 is not a results file'):
+        bm.merge([a, dict(samples=[])])
+    for name, obj in (('a.json', a), ('b.json', b)):
+        (tmp_path / name).write_text(json.dumps(obj))
+    cli = _cli()
+    assert cli.main(['merge', str(tmp_path / 'a.json'), str(tmp_path / 'b.json'), '--out', str(tmp_path / 'm.json')]) == 0
+    assert json.loads((tmp_path / 'm.json').read_text()) == m

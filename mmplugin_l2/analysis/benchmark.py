@@ -271,6 +271,23 @@ def run(specs, common, out_path, results=None, timeout=None, log=print, runner=r
     return results
 
 
+def merge(parts):
+    """One results dict from several runs' (`parts`, in order): every sample, each tagged with its run's index
+    (`run`), and the runs' env and config under `runs`; a smoke run anywhere makes the whole a smoke run."""
+    out = dict(format=FORMAT, smoke=any(p.get('smoke') for p in parts), runs=[], samples=[])
+    notes = [p['note'] for p in parts if p.get('note')]
+    if notes:
+        out['note'] = ' '.join(dict.fromkeys(notes))
+    for i, p in enumerate(parts):
+        if p.get('format') != FORMAT:
+            raise ValueError(f'run {i} is not a results file of this tool (format {p.get("format")!r})')
+        for j, r in enumerate(p.get('runs') or [dict(env=p.get('env', {}), config=p.get('config', {}))]):
+            out['runs'].append(r)
+            k = len(out['runs']) - 1
+            out['samples'] += [dict(s, run=k) for s in p['samples'] if s.get('run', 0) == j]
+    return out
+
+
 def describe(s):
     head = f'{s["model"]:14s} {s["kind"]:8s} {size_key(s["size"]):>9s} b{s["batch"]:<3d} r{s["round"]}'
     if 'error' in s:
@@ -369,17 +386,20 @@ def render(results):
     summ = summarize(samples)
     models = list(dict.fromkeys(s['model'] for s in samples))
     sizes = _sizes(samples)
-    env = results.get('env', {})
     lines = []
     if results.get('smoke'):
         lines += ['> **Smoke run, not a benchmark**: ' + results.get('note', 'tiny settings; figures mean nothing.'),
                   '']
-    dev = env.get('gpu') or env.get('cpu') or env.get('machine')
-    lines += [f'Run: {env.get("date")}, commit `{env.get("commit")}`, {env.get("device")} ({dev}, '
-              f'torch threads: {env.get("threads")}), torch {env.get("torch")}, mmdet {env.get("mmdet")}, mmpretrain '
-              f'{env.get("mmpretrain")}; {results.get("config", {}).get("rounds")} rounds, warm-up '
-              f'{results.get("config", {}).get("warmup")}, timed iterations per measurement: '
-              f'{results.get("config", {}).get("iters")}. Cells: median over rounds (min–max).', '']
+    runs = results.get('runs') or [dict(env=results.get('env', {}), config=results.get('config', {}))]
+    for i, run_ in enumerate(runs):
+        env, cfg = run_.get('env', {}), run_.get('config', {})
+        dev = env.get('gpu') or env.get('cpu') or env.get('machine')
+        lines += [f'Run{f" {i + 1}" if len(runs) > 1 else ""}: {env.get("date")}, commit `{env.get("commit")}`, '
+                  f'{env.get("device")} ({dev}, torch threads: {env.get("threads")}), torch {env.get("torch")}, '
+                  f'mmdet {env.get("mmdet")}, mmpretrain {env.get("mmpretrain")}; {cfg.get("rounds")} rounds, warm-up '
+                  f'{cfg.get("warmup")}, timed iterations per measurement: {cfg.get("iters")}'
+                  + (f'; `{cfg["command"]}`' if cfg.get('command') else '') + '.', '']
+    lines += ['Cells: median over rounds (min–max).', '']
 
     def table(title, kind, metric, digits, batches=None):
         keys = [k for k in summ if k[1] == kind]

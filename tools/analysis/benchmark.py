@@ -7,6 +7,7 @@ and plot are generated.
         [--batches 1 2] [--kinds infer train maxbatch] [--rounds 3] [--warmup 1] [--iters 3]
         [--budget-mb 8000] [--device cpu|cuda] [--authors-code FAMILY=PATH ...] [--timeout S] [--smoke]
         --out results.json
+    python tools/analysis/benchmark.py merge a.json b.json ... --out results.json
     python tools/analysis/benchmark.py render results.json [--doc docs/benchmark.md] [--plot docs/benchmark.png]
     python tools/analysis/benchmark.py models
 
@@ -17,6 +18,8 @@ measurement (an exception, out of memory, --timeout) is kept as a sample with it
 `maxbatch`: batches 1, 2, 4, ... until the inference peak memory exceeds --budget-mb, then bisection; each
 probe a fresh process; then the throughput at the batch found. `<model>@authors` (e.g. hvit3_t@authors) is the
 authors' implementation from their checkout, `--authors-code ViTTT=PATH L2ViT=PATH ResT=PATH` (timm needed).
+`merge`: one results file from several runs (e.g. a headline and a detection run; samples of the same model,
+kind, size and batch from different runs are pooled as rounds, so merge runs of one machine and code only).
 `render`: the tables (median over rounds, min-max) and ratios between the docs' model pairs, the crossover
 resolution, written between the generated markers of --doc; the plot to --plot.
 """
@@ -66,6 +69,9 @@ def parse_args(argv=None):
     d.add_argument('--doc', default=osp.join(ROOT, 'docs', 'benchmark.md'))
     d.add_argument('--plot', default=osp.join(ROOT, 'docs', 'benchmark.png'))
     d.add_argument('--check', action='store_true', help='exit 1 if --doc differs from what render writes')
+    g = sub.add_parser('merge', help='one results file from several')
+    g.add_argument('results', nargs='+')
+    g.add_argument('--out', required=True)
     sub.add_parser('models', help='list the model table')
     args = p.parse_args(argv)
     if args.command == 'run':
@@ -91,8 +97,10 @@ def parse_args(argv=None):
         out_dir = osp.dirname(osp.abspath(args.out))
         if not osp.isdir(out_dir):
             os.makedirs(out_dir)
-    elif args.command == 'render' and not osp.isfile(args.results):
-        p.error(f'results file {args.results} not found')
+    elif args.command in ('render', 'merge'):
+        for f in [args.results] if args.command == 'render' else args.results:
+            if not osp.isfile(f):
+                p.error(f'results file {f} not found')
     return args
 
 
@@ -103,6 +111,19 @@ def main(argv=None):
             print(f'{name:14s} {label(name):52s} {cfg["type"]}')
         for name, (fam, _) in authors.AUTHORS.items():
             print(f'{name + bm.AUTHORS_TAG:14s} {label(name + bm.AUTHORS_TAG):52s} needs --authors-code {fam}=PATH')
+        return 0
+    if args.command == 'merge':
+        parts = []
+        for path in args.results:
+            with open(path) as f:
+                parts.append(json.load(f))
+        try:
+            merged = bm.merge(parts)
+        except ValueError as e:
+            raise SystemExit(f'benchmark.py: error: {e}') from None
+        with open(args.out, 'w') as f:
+            json.dump(merged, f, indent=1)
+        print(f'wrote {args.out} ({len(merged["samples"])} samples from {len(merged["runs"])} runs)')
         return 0
     if args.command == 'render':
         with open(args.results) as f:
