@@ -406,7 +406,7 @@ def render(results):
         bs = sorted({k[3] for k in keys}) if batches is None else batches
         if not keys:
             return []
-        out = [f'### {title}', '', '| model | batch | ' + ' | '.join(f'{h}×{w}' for h, w in sizes) + ' |',
+        out = [f'**{title}**', '', '| model | batch | ' + ' | '.join(f'{h}×{w}' for h, w in sizes) + ' |',
                '|---|---|' + '---|' * len(sizes)]
         for m in models:
             for b in bs:
@@ -416,19 +416,23 @@ def render(results):
                                + ' |')
         return out + ['']
 
-    lines += table('Inference latency (ms, no grad)', 'infer', 'latency_ms', 0)
-    lines += table('Inference throughput (images/s)', 'infer', 'throughput', 2)
-    lines += table('Training step (ms: forward, backward, AdamW step)', 'train', 'step_ms', 0)
-    lines += table('Training-step peak memory (MB above the model and input)', 'train', 'peak_mem_mb', 0)
-    lines += table('Inference peak memory (MB)', 'infer', 'peak_mem_mb', 0)
+    lines += ['### Inference', '']
+    lines += table('Latency (ms, no grad)', 'infer', 'latency_ms', 0)
+    lines += table('Throughput (images/s)', 'infer', 'throughput', 2)
     budget = next((s.get('budget_mb') for s in samples if s['kind'] == 'maxbatch'), None)
-    lines += table(f'Largest inference batch within {budget} MB', 'maxbatch', 'batch', 0, [0])
     lines += table(f'Throughput at the largest batch within {budget} MB (images/s)', 'maxbatch', 'throughput', 2,
                    [0])
+    lines += ['### Training step', '']
+    lines += table('Step time (ms: forward, backward, AdamW step)', 'train', 'step_ms', 0)
+    lines += ['### Memory', '']
+    lines += table('Training-step peak (MB above the model and input)', 'train', 'peak_mem_mb', 0)
+    lines += table('Inference peak (MB)', 'infer', 'peak_mem_mb', 0)
+    lines += table(f'Largest inference batch within {budget} MB', 'maxbatch', 'batch', 0, [0])
     # ratios
     pairs = [(a, b) for a, b in PAIRS if a in models and b in models]
     if pairs:
-        lines += ['### Ratios (speed: their time / ours; memory: ours / theirs; range from the extremes)', '',
+        lines += ['### Scaling', '',
+                  '**Ratios** (speed: their time / ours; memory: ours / theirs; range from the extremes)', '',
                   '| ours vs theirs | batch | size | inference speed | training speed | training memory |',
                   '|---|---|---|---|---|---|']
         for a, b in pairs:
@@ -442,7 +446,7 @@ def render(results):
                         lines.append(f'| {label(a)} vs {label(b)} | {bt} | {sz[0]}×{sz[1]} | '
                                      + ' | '.join(_fmt_ratio(x) for x in r) + ' |')
         lines += ['']
-        lines += ['### Crossover (where ours overtakes theirs, batch 1)', '',
+        lines += ['**Crossover** (where ours overtakes theirs, batch 1)', '',
                   '| ours vs theirs | inference | training step |', '|---|---|---|']
         for a, b in pairs:
             cells = []
