@@ -6,15 +6,18 @@ the regime where the path's feature is active; plus the memory policy's rule its
 path, pieces forced, partial last pieces) and with autograd recording (the differentiable whole-map path).
 Float64, so that a wrong constant or sign cannot hide in rounding.
 """
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
 
-from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST, nbytes, saved_for_backward
+from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST
 from mmplugin_l2 import HViT3, L2ViT, ResT, ViT3
 from mmplugin_l2.models.layers import (CPE, LCM, PA, Conv2dCL, ConvDownsample, ConvMlp, ConvStem, ConvStem2L,
                                       L2ViTStem, MemoryPolicy, Mlp, ResTPatchEmbed, ResTStem, set_memory_policy)
 from mmplugin_l2.models.layers.bands import can_run_in_bands
+from mmplugin_l2.models.ops import dispatch
 from mmplugin_l2.models.ops.memory import pre_norm
 
 
@@ -30,6 +33,23 @@ class RecordingPolicy(MemoryPolicy):
         if piece is not None:
             self.used.add(type(module).__name__)
         return piece
+
+
+@contextlib.contextmanager
+def _recording_choose(policy):
+    """Also record the pieces that `ops.dispatch.choose` gives for `policy` (ops under models/ops)."""
+    saved = dispatch._policy_piece
+
+    def recording(p, x, whole_elems):
+        piece = saved(p, x, whole_elems)
+        if piece is not None and p is policy:
+            policy.used.add('choose')
+        return piece
+    dispatch._policy_piece = recording
+    try:
+        yield
+    finally:
+        dispatch._policy_piece = saved
 
 
 def _random_(module, std=0.3):
@@ -49,7 +69,7 @@ def paths(m, args, max_elems, expect_pieces=True):
     policy = RecordingPolicy(max_elems)
     set_memory_policy(m, policy)
     m.eval()
-    with torch.no_grad():
+    with torch.no_grad(), _recording_choose(policy):
         fast = m(*[a.clone() if torch.is_tensor(a) else a for a in args])
     leaf = [a.clone().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
     ref = m(*leaf)
@@ -68,20 +88,6 @@ def close(a, b, tol=1e-10):
 
 
 # ---- module by module ----------------------------------------------------------------------------
-def test_mlp_token_chunks():
-    m = _random_(Mlp(8, 32))
-    x = torch.randn(2, 100, 8, dtype=torch.float64)
-    close(*paths(m, (x,), max_elems=2 * 16 * 8))      # chunks of 16 tokens, a partial last one
-
-
-@pytest.mark.parametrize('hw', [(13, 7), (40, 3), (5, 50)])
-def test_conv_mlp_row_bands(hw):
-    """Bands of rows with a halo row each side (band edges, image edges, a last partial band)."""
-    m = _random_(ConvMlp(8, 32))
-    x = torch.randn(2, hw[0] * hw[1], 8, dtype=torch.float64)
-    close(*paths(m, (x, hw), max_elems=2 * 2 * hw[1] * 8))
-
-
 @pytest.mark.parametrize('hw', [(13, 7), (40, 3), (5, 50), (2, 9)])
 @pytest.mark.parametrize('rows', [1, 4])
 def test_lcm_row_bands(hw, rows):
@@ -178,22 +184,6 @@ def test_backbone_inference_path_equals_autograd_path(name):
 
 
 # ---- the policy's rule -------------------------------------------------------------------------
-def test_train_mode_under_no_grad_keeps_dropout():
-    """A module in train mode under no_grad (a validation hook, EMA, feature extraction) runs the training
-    function, dropout included, not the inference path."""
-    m = Mlp(8, 32, drop=0.5).train()
-    set_memory_policy(m, dict(max_elems=1))
-    x = torch.randn(2, 100, 8)
-    torch.manual_seed(3)
-    with torch.no_grad():
-        a = m(x)
-    torch.manual_seed(3)
-    b = m(x.clone().requires_grad_())
-    torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
-    with torch.no_grad():
-        assert not torch.allclose(a, m.eval()(x))
-
-
 def test_policy_rule_and_errors():
     p = MemoryPolicy(10)
     m = nn.Linear(1, 1).eval()
@@ -231,141 +221,7 @@ def test_one_policy_for_every_layer_from_a_config(cfg):
     assert MODELS.build(cfg).memory_policy.max_elems == 2 ** 20
 
 
-# ---- recomputation and the channels-last conv --------------------------------------------------------
-def _saved_bytes(fn):
-    out, saved = saved_for_backward(fn)
-    return out, nbytes(saved)
-
-
-@pytest.mark.parametrize('cls', [Mlp, ConvMlp])
-def test_mlp_recompute_same_gradients_less_saved(cls):
-    torch.manual_seed(0)
-    grads, saved = {}, {}
-    for recompute in (False, True):
-        torch.manual_seed(0)
-        m = cls(8, 32, drop=0.1, recompute=recompute).double().train()
-        x = torch.randn(2, 6 * 5, 8, dtype=torch.float64, requires_grad=True)
-        torch.manual_seed(1)   # same dropout masks
-        y, saved[recompute] = _saved_bytes(lambda: m(x, (6, 5)))
-        (y * torch.arange(y.numel(), dtype=y.dtype).view_as(y).sin()).sum().backward()
-        grads[recompute] = [x.grad] + [p.grad for p in m.parameters()]
-    for a, b in zip(grads[False], grads[True]):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-    # kept for backward with recompute: the input only (8 channels), not the 32-wide hidden activations
-    assert saved[True] <= 2 * 30 * 8 * 8 + 64
-    assert saved[True] * 4 < saved[False]
-
-
-@pytest.mark.parametrize('keep_fc1', [True, False])
-def test_conv_mlp_function_gradients_and_what_it_keeps(keep_fc1, monkeypatch):
-    """Without dropout a recomputing ConvMlp runs `ConvMlpFunction` (closed-form backward, no fc2 in
-    backward): same output and gradients as autograd through the plain ops (float64), gradcheck, and
-    what it keeps for backward besides the weights: the input, plus the fc1 output with `keep_fc1`."""
-    from mmplugin_l2.models.layers.mlp import ConvMlpFunction
-    monkeypatch.setattr(ConvMlp, 'keep_fc1', keep_fc1)
-    torch.manual_seed(0)
-    m = _random_(ConvMlp(8, 32, recompute=True)).double().train()
-    x = torch.randn(2, 6 * 5, 8, dtype=torch.float64, requires_grad=True)
-    g = torch.randn(2, 6 * 5, 8, dtype=torch.float64)
-    params = [x] + list(m.parameters())
-    y, saved = saved_for_backward(lambda: m(x, (6, 5)))
-    assert type(y.grad_fn).__name__ == 'ConvMlpFunctionBackward'
-    m.recompute = False
-    ref = m(x, (6, 5))
-    torch.testing.assert_close(y, ref, rtol=0, atol=1e-14)
-    for a, b in zip(torch.autograd.grad(y, params, g), torch.autograd.grad(ref, params, g)):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-    weights = nbytes(list(m.parameters()))
-    assert nbytes(saved) - weights == 8 * 2 * 30 * (8 + 32 * keep_fc1)
-    assert torch.autograd.gradcheck(lambda *t: ConvMlpFunction.apply(t[0], (6, 5), keep_fc1, *t[1:]), params)
-
-
-@pytest.mark.parametrize('hw,max_elems', [((6, 5), 80), ((7, 9), 288), ((7, 9), 1), ((2, 3), 1), ((3, 3), 1)])
-def test_conv_mlp_bands_function_gradients(hw, max_elems):
-    """A recomputing ConvMlp in a training step on a policy device runs `ConvMlpBandsFunction` (bands of
-    1-4 rows with their halo rows, a partial last band): output and gradients as autograd through the plain
-    ops (float64), gradcheck; on other device types (none listed) `ConvMlpFunction`."""
-    from mmplugin_l2.models.layers.mlp import ConvMlpBandsFunction
-    torch.manual_seed(0)
-    m = _random_(ConvMlp(8, 32, recompute=True)).train()
-    x = torch.randn(2, hw[0] * hw[1], 8, dtype=torch.float64, requires_grad=True)
-    g = torch.randn(2, hw[0] * hw[1], 8, dtype=torch.float64)
-    params = [x] + list(m.parameters())
-    set_memory_policy(m, dict(max_elems=max_elems))
-    y = m(x, hw)
-    assert type(y.grad_fn).__name__ == 'ConvMlpBandsFunctionBackward'
-    set_memory_policy(m, dict(max_elems=max_elems, devices=()))
-    assert type(m(x, hw).grad_fn).__name__ == 'ConvMlpFunctionBackward'
-    m.recompute = False
-    ref = m(x, hw)
-    torch.testing.assert_close(y, ref, rtol=0, atol=1e-14)
-    for a, b in zip(torch.autograd.grad(y, params, g), torch.autograd.grad(ref, params, g)):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-    if hw == (2, 3):   # one-row bands with halo rows above and below; gradcheck is slow on larger maps
-        assert torch.autograd.gradcheck(lambda *t: ConvMlpBandsFunction.apply(t[0], hw, 1, *t[1:]), params)
-
-
-class _NewTensors(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the element count of every tensor an op returns in new memory (not a view of or a write into
-    one of its arguments)."""
-
-    def __init__(self):
-        super().__init__()
-        self.numels = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        given = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                 if torch.is_tensor(t)}
-        self.numels += [t.numel() for t in torch.utils._pytree.tree_leaves(out)
-                        if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in given]
-        return out
-
-
-@pytest.mark.parametrize('rows', [None, 7, 1, 61])
-def test_norm_mlp_function_in_pieces_gradients(rows):
-    """L2ViT's recomputed MLP branch (`NormMlpFunction`) whole and in pieces of `rows` tokens (a partial last
-    one): output and every gradient as autograd through the plain ops (float64), gradcheck."""
-    from mmplugin_l2.models.layers.mlp import NormMlpFunction
-    torch.manual_seed(0)
-    norm, mlp = _random_(nn.LayerNorm(8)), _random_(Mlp(8, 32))
-    x = torch.randn(2, 30, 8, dtype=torch.float64, requires_grad=True)
-    g = torch.randn(2, 30, 8, dtype=torch.float64)
-    params = [x] + list(norm.parameters()) + list(mlp.parameters())
-
-    def fn(t, lw, lb, w1, b1, w2, b2):
-        return NormMlpFunction.apply(t, lw, lb, norm.eps, w1, b1, w2, b2, rows)
-    y, ref = fn(*params), mlp(norm(x))
-    torch.testing.assert_close(y, ref, rtol=0, atol=1e-14)
-    for a, b in zip(torch.autograd.grad(y, params, g), torch.autograd.grad(ref, params, g)):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
-    assert torch.autograd.gradcheck(fn, params)
-
-
-def test_norm_mlp_branch_takes_training_pieces_on_policy_devices():
-    """In a training step on a device of the policy, the MLP branch of a recomputing L2ViT block runs in
-    pieces of `max_elems`: the fc1 output is the only hidden-width (N, rC) tensor of its forward and
-    backward (the LayerNorm and GELU outputs and the hidden gradients are piece-sized); on other device
-    types (none listed) the same gradients from whole maps."""
-    from mmplugin_l2.models.backbones.l2vit import LGABlock
-    from mmplugin_l2.models.layers.mlp import norm_mlp_branch
-    n, c = 2 * 40, 8
-    grads = {}
-    for devices in (('cpu',), ()):
-        torch.manual_seed(0)
-        blk = _random_(LGABlock(c, 2)).train()
-        set_memory_policy(blk, dict(max_elems=4 * c, devices=devices))     # pieces of 4 tokens
-        x = torch.randn(2, 40, c, dtype=torch.float64, requires_grad=True)
-        with _NewTensors() as rec:
-            y = norm_mlp_branch(blk, blk.norm2, blk.mlp, x)
-            grads[devices] = torch.autograd.grad(y, [x] + list(blk.mlp.parameters()), torch.ones_like(y))
-        hidden = sum(k >= n * 4 * c for k in rec.numels)
-        assert hidden == (1 if devices else 3), rec.numels    # whole maps: + the GELU output twice
-    for a, b in zip(*grads.values()):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
-
-
+# ---- the channels-last conv ----------------------------------------------------------------------
 @pytest.mark.parametrize('groups,k,stride', [(16, 3, 1), (16, 7, 1), (1, 3, 2), (1, 1, 1)])
 def test_conv2d_channels_last_equals_conv2d(groups, k, stride):
     torch.manual_seed(0)

@@ -1,363 +1,106 @@
 """Feed-forward networks of the blocks.
 
-`ConvMlp` (H-ViT3): fc1 (C -> rC) -> GELU -> u + DWConv3x3(u) -> GELU -> fc2 (rC -> C); GELU is applied
-twice, around the residual depth-wise conv, as in the authors' code. Tokens (B, N, C) in and out.
-At inference (`memory.inference`) the GELUs run in place and the residual is added into the conv output
-(fewer (B, N, rC) temporaries; same values); large maps run in pieces (`memory.MemoryPolicy`).
+    Mlp(x)     = fc2(act(fc1(x)))                                (ViT3, L2ViT, ResT)
+    ConvMlp(x) = fc2(act(u + DWConv3x3(u))),  u = act(fc1(x))    (H-ViT3; act twice, as the authors)
 
-`recompute=True` (both MLPs): in a training step only the MLP input is kept for backward and the hidden
-(B, N, rC) activations are recomputed there (activation checkpointing of the MLP alone, RNG state
-preserved for dropout): ~4 (Mlp) / ~16 (ConvMlp) fewer C-wide tensors per token and block, for one more
-fc1 (+ conv) in backward. Same values and gradients. ConvMlp without dropout outside autocast runs
-`ConvMlpFunction` instead: it also keeps the fc1 output (`ConvMlp.keep_fc1`, one (B, N, rC) tensor) and its
-backward recomputes only the GELUs and the depth-wise conv, neither fc1 nor fc2 (which whole-MLP
-checkpointing runs again). In a training step on a device of the memory policy (CPU by default) it runs
-in bands of rows (`ConvMlpBandsFunction`): only h is a whole (B, N, rC) map in forward, GELU(h), the conv
-output and the second GELU are band-sized temporaries (see `memory.MemoryPolicy.train_cache_pieces`).
+with act the exact GELU by default (`act_cfg`). Tokens (B, N, C) in and out. The op is `ops.mlp`
+(reference, inference in pieces, closed-form training functions), chosen once per forward by
+`ops.dispatch.choose`; `recompute=True` takes the training functions (or the reference recomputed in
+backward where they do not apply).
 
-`norm_mlp_branch` (the MLP branches of L2ViT and ResT): LayerNorm -> Mlp as one autograd function that keeps
-the branch input and the fc1 output for backward and recomputes there only the LayerNorm and the GELU
-(elementwise), not fc1: one matrix product and two (B, N, rC) temporaries fewer per block and step than
-recomputing the whole branch, for one kept (B, N, rC) tensor. Same values; gradients those of autograd on
-the same ops.
+`norm_mlp_branch` is the pre-norm MLP branch mlp(norm(x)) of L2ViT's and ResT's blocks; when the block
+recomputes it runs `NormMlpFunction` (keeps the branch input and the fc1 output, recomputes LayerNorm and
+GELU in backward).
 """
-import torch
 import torch.nn as nn
-import torch.nn.functional as F
+from mmcv.cnn import build_activation_layer
 
+from ..ops import choose
+from ..ops.memory import DEFAULT_POLICY, pre_norm, recomputes
+from ..ops.mlp import (ConvMlpBandsFunction, ConvMlpFunction, NormMlpFunction, conv_mlp,  # noqa: F401
+                       linear_into as _linear_into, mlp, norm_mlp_train, train_applies)
+from ..ops.mlp.pieces import gelu_
 from .conv import Conv2dCL
-from ..ops.dtypes import autocast_on
-from ..ops.memory import DEFAULT_POLICY, inference, pre_norm, recomputes
-from .recompute import recomputed, recomputed_branch
-from .tokens import add_residual, map_to_tokens, tokens_conv, tokens_to_map
+from .recompute import recomputed_branch
 
 
-class ConvMlp(nn.Module):
+def gelu(x, inplace=False):
+    """Exact GELU; in place with `inplace` (inference only)."""
+    return gelu_(x) if inplace else nn.functional.gelu(x)
 
-    def __init__(self, dim, hidden_dim, drop=0., recompute=False):
+
+class Mlp(nn.Module):
+    """fc1 (C -> rC) -> act -> fc2 (rC -> C), dropout after act and fc2.
+
+    Args:
+        dim (int): channels C.
+        hidden_dim (int): hidden channels rC.
+        drop (float): dropout. Default: 0.
+        recompute (bool): in training, recompute the hidden activations in backward. Default: False.
+        act_cfg (dict): the activation (OpenMMLab config). Default: dict(type='GELU').
+
+    forward(x, hw_shape=None, norm=None): x (B, N, C) -> (B, N, C); `hw_shape` is unused (a common
+    signature); with `norm`, mlp(norm(x)), the norm piece by piece at inference.
+    """
+
+    #: pieces of tokens x channels (the batch included) at inference
+    memory_policy = DEFAULT_POLICY
+    fuses_norm = True
+
+    def __init__(self, dim, hidden_dim, drop=0., recompute=False, act_cfg=dict(type='GELU')):
         super().__init__()
         self.recompute = recompute
         self.fc1 = nn.Linear(dim, hidden_dim)
+        self.act = build_activation_layer(act_cfg)
+        self.fc2 = nn.Linear(hidden_dim, dim)
+        self.drop = nn.Dropout(drop)
+
+    def forward(self, x, hw_shape=None, norm=None):
+        return mlp(choose(self, x, x.numel()), x, self.fc1, self.fc2, self.act, self.drop, norm)
+
+
+class ConvMlp(nn.Module):
+    """fc1 (C -> rC) -> act -> u + DWConv3x3(u) -> act -> fc2 (rC -> C), dropout after the first act and fc2.
+
+    Args:
+        dim (int): channels C.
+        hidden_dim (int): hidden channels rC.
+        drop (float): dropout. Default: 0.
+        recompute (bool): in training, keep the input and the fc1 output and recompute the rest in
+            backward (`ConvMlpFunction`, in pieces of rows on the policy's devices). Default: False.
+        act_cfg (dict): the activation (OpenMMLab config). Default: dict(type='GELU').
+
+    forward(x, hw_shape): x (B, N, C) of an (H, W) map -> (B, N, C).
+    """
+
+    #: pieces of rows x width x channels (the batch included) at inference and in training
+    memory_policy = DEFAULT_POLICY
+    #: with `recompute`: keep the fc1 output for backward too (no fc1 in backward)
+    keep_fc1 = True
+
+    def __init__(self, dim, hidden_dim, drop=0., recompute=False, act_cfg=dict(type='GELU')):
+        super().__init__()
+        self.recompute = recompute
+        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.act = build_activation_layer(act_cfg)
         self.dwc = Conv2dCL(hidden_dim, hidden_dim, 3, padding=1, groups=hidden_dim)
         self.fc2 = nn.Linear(hidden_dim, dim)
         self.drop = nn.Dropout(drop)
 
-    #: with `recompute`: keep the fc1 output for backward too (one (B, N, rC) tensor per block; no fc1 in
-    #: backward) instead of the input only
-    keep_fc1 = True
-
     def forward(self, x, hw_shape):
-        if recomputes(self) and x.requires_grad and _closed_form_applies(self, x):
-            piece = self.memory_policy.train_cache_pieces(x, x.numel()) if self.keep_fc1 else None
-            if piece is not None:
-                rows = max(1, piece // (x.shape[0] * hw_shape[1] * x.shape[-1]))
-                return ConvMlpBandsFunction.apply(x, tuple(hw_shape), rows, self.fc1.weight, self.fc1.bias,
-                                                  self.dwc.weight, self.dwc.bias, self.fc2.weight, self.fc2.bias)
-            return ConvMlpFunction.apply(x, tuple(hw_shape), self.keep_fc1, self.fc1.weight, self.fc1.bias,
-                                         self.dwc.weight, self.dwc.bias, self.fc2.weight, self.fc2.bias)
-        return recomputed(self, self._forward, x, hw_shape)
-
-    #: inference on large maps in bands of rows (the (B, rows * W, C) input tokens are the piece)
-    memory_policy = DEFAULT_POLICY
-
-    def _forward(self, x, hw_shape):
-        piece = self.memory_policy.pieces(self, x, x.numel())
-        if piece is not None:
-            return self._forward_bands(x, hw_shape, piece)
-        inplace = inference(self)
-        x = self.drop(gelu(self.fc1(x), inplace))
-        x = gelu(add_residual(tokens_conv(self.dwc, x, hw_shape), x), inplace)
-        return self.drop(self.fc2(x))
-
-    def _forward_bands(self, x, hw_shape, piece):
-        """Inference on large maps, band of rows by band of rows, so that the (B, band, rC) hidden
-        activations stay in cache: fc1 and GELU also run on one halo row above and below each band (the
-        3x3 conv's neighbours), the conv output of the halo rows is dropped. Same values as the whole map."""
-        b, n, c = x.shape
-        h, w = hw_shape
-        rows = max(1, piece // (b * w * c))
-        xm = x.view(b, h, w, c)
-        out = x.new_empty(b, h, w, self.fc2.out_features)
-        for r0 in range(0, h, rows):
-            r1 = min(h, r0 + rows)
-            a0, a1 = max(0, r0 - 1), min(h, r1 + 1)
-            u = gelu(self.fc1(xm[:, a0:a1].reshape(b, (a1 - a0) * w, c)), True)
-            y = tokens_conv(self.dwc, u, (a1 - a0, w)).add_(u)
-            y = y.view(b, a1 - a0, w, -1)[:, r0 - a0:r1 - a0]
-            out[:, r0:r1] = self.fc2(gelu(y.reshape(b, (r1 - r0) * w, -1), True)).view(b, r1 - r0, w, -1)
-        return out.view(b, n, -1)
-
-
-def gelu(x, inplace=False):
-    """Exact GELU; in place with `inplace` (inference only: its backward would need the input)."""
-    return torch.ops.aten.gelu_(x) if inplace else F.gelu(x)
-
-
-class NormMlpFunction(torch.autograd.Function):
-    """fc2(GELU(fc1(LayerNorm(x)))) on tokens x (..., C), keeping x, the LayerNorm statistics and the fc1
-    output h (..., rC) for backward. Backward recomputes LN(x) and GELU(h), and writes the GELU gradient
-    into the recomputed GELU buffer once fc2's weight gradient has used it.
-
-    `rows` (None: all) is the number of tokens per piece: forward and backward run piece by piece, so the
-    LayerNorm output, the GELU output and the hidden gradients are (rows, rC) temporaries that stay in cache
-    instead of fresh map-sized tensors (the memory policy's training pieces, `memory.MemoryPolicy`); only h,
-    the output and the input gradient are whole maps. The parameter gradients are then sums of the pieces'
-    (another summation order, ~1e-7 relative in float32); the output and the input gradient are per token."""
-
-    @staticmethod
-    def forward(ctx, x, ln_w, ln_b, eps, w1, b1, w2, b2, rows=None):
-        c = x.shape[-1]
-        x2 = x.reshape(-1, c)
-        m = x2.shape[0]
-        rows = m if rows is None else max(1, min(rows, m))
-        h, y = x2.new_empty(m, w1.shape[0]), x2.new_empty(m, w2.shape[0])
-        mean, rstd = x2.new_empty(m, 1), x2.new_empty(m, 1)
-        for r0 in range(0, m, rows):
-            r = slice(r0, r0 + rows)
-            xn, mean[r], rstd[r] = torch.native_layer_norm(x2[r], (c,), ln_w, ln_b, eps)
-            _linear_into(h[r], xn, w1, b1)
-            _linear_into(y[r], F.gelu(h[r]), w2, b2)
-        ctx.eps, ctx.rows = eps, rows
-        ctx.save_for_backward(x, mean, rstd, ln_w, ln_b, h, w1, w2, b1, b2)
-        return y.view(*x.shape[:-1], w2.shape[0])
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, mean, rstd, ln_w, ln_b, h, w1, w2, b1, b2 = ctx.saved_tensors
-        c, rows = x.shape[-1], ctx.rows
-        x2, g = x.reshape(-1, c), grad.reshape(-1, grad.shape[-1])
-        need = ctx.needs_input_grad
-        dx = torch.empty_like(x2) if need[0] else None
-        grads = [torch.zeros_like(t) if t is not None and n else None
-                 for t, n in zip((ln_w, ln_b, w1, b1, w2, b2), need[1:3] + need[4:8])]
-        dln_w, dln_b, dw1, db1, dw2, db2 = grads
-        for r0 in range(0, x2.shape[0], rows):
-            r = slice(r0, r0 + rows)
-            xr, gr, hr = x2[r], g[r], h[r]
-            xn = torch.native_layer_norm(xr, (c,), ln_w, ln_b, ctx.eps)[0]
-            a = F.gelu(hr)
-            if dw2 is not None:
-                dw2.addmm_(gr.t(), a)
-            if db2 is not None:
-                db2.add_(gr.sum(0))
-            dh = torch.ops.aten.gelu_backward.grad_input(torch.mm(gr, w2, out=a), hr, grad_input=a)  # a is free
-            if dw1 is not None:
-                dw1.addmm_(dh.t(), xn)
-            if db1 is not None:
-                db1.add_(dh.sum(0))
-            if dx is None and dln_w is None and dln_b is None:
-                continue
-            dxr, dwr, dbr = torch.ops.aten.native_layer_norm_backward(
-                dh @ w1, xr, (c,), mean[r], rstd[r], ln_w, ln_b,
-                [dx is not None, dln_w is not None, dln_b is not None])
-            if dx is not None:
-                dx[r] = dxr
-            if dln_w is not None:
-                dln_w.add_(dwr)
-            if dln_b is not None:
-                dln_b.add_(dbr)
-        return (dx.view(x.shape) if dx is not None else None, dln_w, dln_b, None, dw1, db1, dw2, db2, None)
-
-
-def _linear_into(out, x, w, b):
-    """out = x @ w^T + b for 2-D x, written into `out` (a contiguous row slice of a larger tensor)."""
-    if b is None:
-        torch.mm(x, w.t(), out=out)
-    else:
-        torch.addmm(b, x, w.t(), out=out)
-
-
-class ConvMlpFunction(torch.autograd.Function):
-    """ConvMlp's fc1 -> GELU -> u + DWConv3x3(u) -> GELU -> fc2 on tokens x (B, N, C) of an (H, W) map,
-    keeping x (and with `keep_fc1` the fc1 output h (B, N, rC)) for backward. Backward recomputes (fc1),
-    the two GELUs and the conv, but not fc2, and writes each gradient into a buffer the chain rule has
-    finished with: d(GELU2 input) into the GELU2 output once fc2's weight gradient has used it, d(fc1
-    output) into the conv's input gradient."""
-
-    @staticmethod
-    def forward(ctx, x, hw_shape, keep_fc1, w1, b1, wc, bc, w2, b2):
-        h = F.linear(x, w1, b1)
-        s = _conv_residual(F.gelu(h), hw_shape, wc, bc)
-        ctx.hw_shape = hw_shape
-        ctx.save_for_backward(x, h if keep_fc1 else None, w1, b1, wc, bc, w2, b2)
-        return F.linear(F.gelu(s), w2, b2)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, h, w1, b1, wc, bc, w2, b2 = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        if h is None:
-            h = F.linear(x, w1, b1)
-        u = F.gelu(h)
-        s = _conv_residual(u, ctx.hw_shape, wc, bc)
-        r = h.shape[-1]
-        g, a = grad.reshape(-1, grad.shape[-1]), F.gelu(s).reshape(-1, r)
-        dw2 = g.t() @ a if need[7] else None
-        db2 = g.sum(0) if b2 is not None and need[8] else None
-        ds = torch.ops.aten.gelu_backward.grad_input((g @ w2).view(s.shape), s, grad_input=a.view(s.shape))
-        del s
-        du, dwc, dbc = torch.ops.aten.convolution_backward(
-            tokens_to_map(ds, ctx.hw_shape), tokens_to_map(u, ctx.hw_shape),
-            wc.to(memory_format=torch.channels_last), [r] if bc is not None else None, [1, 1], [1, 1], [1, 1],
-            False, [0, 0], r, [True, need[5], bc is not None and need[6]])
-        du = map_to_tokens(du).add_(ds)
-        dh = torch.ops.aten.gelu_backward.grad_input(du, h, grad_input=du).reshape(-1, r)
-        dw1 = dh.t() @ x.reshape(-1, x.shape[-1]) if need[3] else None
-        db1 = dh.sum(0) if b1 is not None and need[4] else None
-        dx = (dh @ w1).view_as(x) if need[0] else None
-        dwc = dwc.contiguous() if dwc is not None else None
-        return dx, None, None, dw1, db1, dwc, dbc, dw2, db2
-
-
-class ConvMlpBandsFunction(torch.autograd.Function):
-    """`ConvMlpFunction` with `keep_fc1`, band by band of `rows` map rows (the memory policy's training
-    pieces on CPU, `memory.MemoryPolicy.train_cache_pieces`): fc1 runs on the whole map (its output h is
-    kept), everything after it per band with one halo row above and below for the 3x3 conv, so GELU(h), the
-    conv output, the second GELU and, in backward, their gradients are band-sized temporaries in cache.
-    Backward collects d(GELU1 output) over the bands in one (B, H, W, rC) buffer (a band's conv gradient
-    reaches its halo rows), then runs fc1's backward on the whole map. Same output and input gradient as
-    `ConvMlpFunction` up to rounding; the conv and fc2 parameter gradients are sums over the bands."""
-
-    @staticmethod
-    def forward(ctx, x, hw_shape, rows, w1, b1, wc, bc, w2, b2):
-        b, n, c = x.shape
-        hh, ww = hw_shape
-        h = F.linear(x, w1, b1)
-        hm = h.view(b, hh, ww, -1)
-        y = x.new_empty(b, hh, ww, w2.shape[0])
-        wcl = wc.to(memory_format=torch.channels_last)
-        for r0, r1, a0, a1 in _bands(hh, rows):
-            u = F.gelu(hm[:, a0:a1])
-            y[:, r0:r1] = F.linear(F.gelu(_band_conv_residual(u, r0 - a0, r1 - a0, wcl, bc)), w2, b2)
-        ctx.hw_shape, ctx.rows = hw_shape, rows
-        ctx.save_for_backward(x, h, w1, b1, wc, bc, w2, b2)
-        return y.view(b, n, -1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, h, w1, b1, wc, bc, w2, b2 = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        b, n, c = x.shape
-        hh, ww = ctx.hw_shape
-        r = h.shape[-1]
-        hm, gm = h.view(b, hh, ww, r), grad.reshape(b, hh, ww, -1)
-        du = h.new_zeros(b, hh, ww, r)
-        dw2 = torch.zeros_like(w2) if need[7] else None
-        db2 = torch.zeros_like(b2) if b2 is not None and need[8] else None
-        dwc = torch.zeros_like(wc) if need[5] else None
-        dbc = torch.zeros_like(bc) if bc is not None and need[6] else None
-        wcl = wc.to(memory_format=torch.channels_last)
-        for r0, r1, a0, a1 in _bands(hh, ctx.rows):
-            u = F.gelu(hm[:, a0:a1])
-            s = _band_conv_residual(u, r0 - a0, r1 - a0, wcl, bc)
-            a = F.gelu(s).view(-1, r)
-            g = gm[:, r0:r1].reshape(-1, gm.shape[-1])
-            if dw2 is not None:
-                dw2.addmm_(g.t(), a)
-            if db2 is not None:
-                db2.add_(g.sum(0))
-            ds = torch.ops.aten.gelu_backward.grad_input(torch.mm(g, w2, out=a).view(s.shape), s,
-                                                         grad_input=a.view(s.shape))
-            gout = u.new_zeros(u.shape)
-            gout[:, r0 - a0:r1 - a0] = ds
-            dub, dwb, dbb = torch.ops.aten.convolution_backward(
-                gout.permute(0, 3, 1, 2), u.permute(0, 3, 1, 2), wcl, [r] if bc is not None else None,
-                [1, 1], [1, 1], [1, 1], False, [0, 0], r, [True, dwc is not None, dbc is not None])
-            du[:, a0:a1] += dub.permute(0, 2, 3, 1)
-            du[:, r0:r1] += ds
-            if dwc is not None:
-                dwc.add_(dwb)
-            if dbc is not None:
-                dbc.add_(dbb)
-        dh = torch.ops.aten.gelu_backward.grad_input(du, hm, grad_input=du).view(-1, r)
-        dw1 = dh.t() @ x.reshape(-1, c) if need[3] else None
-        db1 = dh.sum(0) if b1 is not None and need[4] else None
-        dx = (dh @ w1).view_as(x) if need[0] else None
-        return dx, None, None, dw1, db1, dwc, dbc, dw2, db2
-
-
-def _bands(h, rows):
-    """(r0, r1, a0, a1) per band of `rows` map rows: the band's rows [r0, r1) and, with one halo row on
-    each side where there is one, the rows [a0, a1) its 3x3 conv reads."""
-    for r0 in range(0, h, rows):
-        r1 = min(h, r0 + rows)
-        yield r0, r1, max(0, r0 - 1), min(h, r1 + 1)
-
-
-def _band_conv_residual(u, i0, i1, wcl, bc):
-    """u + DWConv3x3(u) on the rows [i0, i1) of a band u (B, rows, W, rC) (channels-last; `wcl` the conv
-    weight in channels-last format): the conv of the whole band (its zero padding is the map's border only
-    at the map's top and bottom; the band's first and last rows are halo rows where they are not) cut to
-    the rows it has both neighbours for."""
-    cv = F.conv2d(u.permute(0, 3, 1, 2), wcl, bc, padding=1, groups=u.shape[-1]).permute(0, 2, 3, 1)
-    return cv[:, i0:i1].add(u[:, i0:i1])
-
-
-def _conv_residual(u, hw_shape, wc, bc):
-    """u + DWConv3x3(u) on tokens (B, N, rC): the conv output (channels-last, its token view needs no copy)
-    with u added into it."""
-    c = F.conv2d(tokens_to_map(u, hw_shape), wc.to(memory_format=torch.channels_last), bc, padding=1,
-                 groups=u.shape[-1])
-    return map_to_tokens(c).add_(u)
-
-
-def _closed_form_applies(mlp, x):
-    """Whether an MLP's closed-form training function (`NormMlpFunction`, `ConvMlpFunction`) may run:
-    no active dropout (its masks need checkpointing's RNG replay), fp32 / fp64 tokens outside autocast."""
-    return (not (mlp.drop.p > 0 and mlp.training) and x.dtype in (torch.float32, torch.float64)
-            and not autocast_on(x.device.type))
+        return conv_mlp(choose(self, x, x.numel()), x, hw_shape, self.fc1, self.dwc, self.fc2, self.act,
+                        self.drop, self.keep_fc1)
 
 
 def norm_mlp_branch(block, norm, mlp, x, recompute_otherwise=True):
-    """The pre-norm MLP branch mlp(norm(x)) of `block`. When the block recomputes (`memory.recomputes`):
-    `NormMlpFunction` for a LayerNorm and an `Mlp` without dropout outside autocast (see the module
-    docstring), otherwise the whole branch recomputed in backward (`recompute.recomputed_branch`; with
-    `recompute_otherwise=False` plain autograd instead, as ResT's blocks had before)."""
+    """The pre-norm MLP branch mlp(norm(x)) of `block`. When the block recomputes (`memory.recomputes`), an
+    affine LayerNorm and an `Mlp` where `ops.mlp.train_applies` run `NormMlpFunction` (in pieces on the
+    policy's devices); otherwise the whole branch is recomputed in backward (`recompute.recomputed_branch`;
+    with `recompute_otherwise=False` plain autograd instead)."""
     if not recomputes(block):
         return pre_norm(norm, mlp, x)
     if (isinstance(norm, nn.LayerNorm) and norm.elementwise_affine and isinstance(mlp, Mlp)
-            and _closed_form_applies(mlp, x)):
+            and train_applies(x, mlp.act, mlp.drop)):
         piece = mlp.memory_policy.train_cache_pieces(x, x.numel())
-        return NormMlpFunction.apply(x, norm.weight, norm.bias, norm.eps, mlp.fc1.weight, mlp.fc1.bias,
-                                     mlp.fc2.weight, mlp.fc2.bias, None if piece is None else piece // x.shape[-1])
+        return norm_mlp_train(x, norm, mlp.fc1, mlp.fc2, piece)
     return recomputed_branch(block, norm, mlp, x) if recompute_otherwise else mlp(norm(x))
-
-
-class Mlp(nn.Module):
-    """Plain transformer MLP (ViT3, L2ViT, ResT): fc1 (C -> rC) -> GELU -> fc2 (rC -> C). Tokens (B, N, C)
-    in and out; `hw_shape` is accepted for a common signature and unused."""
-
-    def __init__(self, dim, hidden_dim, drop=0., recompute=False):
-        super().__init__()
-        self.recompute = recompute
-        self.fc1 = nn.Linear(dim, hidden_dim)
-        self.fc2 = nn.Linear(hidden_dim, dim)
-        self.drop = nn.Dropout(drop)
-
-    #: inference on large maps in token chunks (the (B, chunk, C) input tokens are the piece)
-    memory_policy = DEFAULT_POLICY
-    #: `forward(x, norm=norm)` computes mlp(norm(x)), the norm chunk by chunk at inference (`memory.pre_norm`)
-    fuses_norm = True
-
-    def forward(self, x, hw_shape=None, norm=None):
-        if norm is not None and not inference(self):
-            x, norm = norm(x), None
-        return recomputed(self, self._forward, x, norm)
-
-    def _forward(self, x, norm=None):
-        piece = self.memory_policy.pieces(self, x, x.numel())
-        if piece is None:
-            x = x if norm is None else norm(x)
-            return self.drop(self.fc2(self.drop(gelu(self.fc1(x), inference(self)))))
-        # Inference on large maps: the (chunk, rC) hidden activation (and the pre-norm's output) stays in
-        # cache instead of a (B, N, rC) temporary (80-120 MB in stage 1 at 800 x 1344). Rows are
-        # independent, so the values are the same.
-        c = x.shape[-1]
-        x2 = x.reshape(-1, c)
-        out = x.new_empty(x.shape[:-1] + (self.fc2.out_features,))
-        out2 = out.view(-1, out.shape[-1])
-        step = max(1, piece // c)
-        for i in range(0, x2.shape[0], step):
-            t = x2[i:i + step] if norm is None else norm(x2[i:i + step])
-            _linear_into(out2[i:i + step], gelu(self.fc1(t), True), self.fc2.weight, self.fc2.bias)
-        return out

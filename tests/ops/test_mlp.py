@@ -1,0 +1,331 @@
+"""`ops.mlp`: the MLPs' inference in pieces and their training functions (closed-form backward) against the
+reference (plain autograd, the activation a parameter), the dispatch of the `Mlp` / `ConvMlp` layers and of
+the pre-norm MLP branch, autocast, and the fallback to the reference for settings the fast paths lack."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from conftest import TINY_L2VIT, TINY_REST, nbytes, saved_for_backward
+from mmplugin_l2 import L2ViT, ResT, ViT3
+from mmplugin_l2.models.layers import ConvMlp, Mlp
+from mmplugin_l2.models.layers.mlp import norm_mlp_branch
+from mmplugin_l2.models.ops.memory import set_memory_policy
+from mmplugin_l2.models.ops.mlp import (ConvMlpBandsFunction, ConvMlpFunction, NormMlpFunction, conv_mlp_inference,
+                                        conv_mlp_reference, mlp_inference, mlp_reference)
+from ops.harness import assert_matches_reference
+
+C, R = 5, 11      # odd widths: channels and hidden channels
+
+
+def _random_(module, std=0.4):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, std)
+    return module.double()
+
+
+def _params(c=C, r=R):
+    g = torch.Generator().manual_seed(0)
+    shapes = [(r, c), (r,), (r, 1, 3, 3), (r,), (c, r), (c,)]
+    return [(torch.randn(s, generator=g, dtype=torch.float64) * 0.5).requires_grad_() for s in shapes]
+
+
+def _conv_mlp_ref(x, hw, w1, b1, wc, bc, w2, b2, act=F.gelu):
+    return conv_mlp_reference(x, hw, lambda t: F.linear(t, w1, b1),
+                              lambda m: F.conv2d(m, wc, bc, padding=1, groups=wc.shape[0]),
+                              lambda t: F.linear(t, w2, b2), act, nn.Identity())
+
+
+def _x(hw, b=2, c=C):
+    return (torch.randn(b, hw[0] * hw[1], c, dtype=torch.float64) * 2).requires_grad_()
+
+
+# ------------------------------------------------------------------ inference in pieces
+@pytest.mark.parametrize('piece', [None, 3 * C, 7 * C, 10 ** 6])
+@pytest.mark.parametrize('with_norm', [False, True])
+def test_mlp_inference_matches_reference(piece, with_norm):
+    """Pieces of 3 and 7 tokens of 2 x 31 (a partial last piece), one piece, whole map; the pre-norm in the
+    pieces."""
+    mlp = _random_(Mlp(C, R))
+    norm = _random_(nn.LayerNorm(C)) if with_norm else None
+    x = torch.randn(2, 31, C, dtype=torch.float64)
+    with torch.no_grad():
+        fast = mlp_inference(x, mlp.fc1, mlp.fc2, piece, norm)
+        ref = mlp_reference(x, mlp.fc1, mlp.fc2, nn.GELU(), nn.Identity(), norm)
+    torch.testing.assert_close(fast, ref, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize('hw', [(13, 7), (5, 9), (2, 3)])
+@pytest.mark.parametrize('rows', [1, 2, 4, None])
+def test_conv_mlp_inference_matches_reference(hw, rows):
+    """Pieces of 1, 2 and 4 rows with a halo row each side (map edges, a partial last piece), whole map."""
+    m = _random_(ConvMlp(C, R))
+    x = torch.randn(2, hw[0] * hw[1], C, dtype=torch.float64)
+    piece = None if rows is None else rows * 2 * hw[1] * C
+    with torch.no_grad():
+        fast = conv_mlp_inference(x, hw, m.fc1, m.dwc, m.fc2, piece)
+        ref = conv_mlp_reference(x, hw, m.fc1, m.dwc, m.fc2, nn.GELU(), nn.Identity())
+    torch.testing.assert_close(fast, ref, rtol=1e-12, atol=1e-13)
+
+
+# ------------------------------------------------------------------ training functions
+@pytest.mark.parametrize('keep_fc1', [True, False])
+@pytest.mark.parametrize('hw', [(6, 5), (3, 7)])
+def test_conv_mlp_function_matches_reference(keep_fc1, hw):
+    assert_matches_reference(lambda x, *p: ConvMlpFunction.apply(x, hw, keep_fc1, *p),
+                             lambda x, *p: _conv_mlp_ref(x, hw, *p), [_x(hw)] + _params())
+
+
+@pytest.mark.parametrize('hw,rows', [((6, 5), 1), ((7, 9), 2), ((7, 9), 4), ((2, 3), 1), ((5, 3), 7)])
+def test_conv_mlp_bands_function_matches_reference(hw, rows):
+    """Pieces of rows with their halo rows, a partial last piece, one piece for the whole map."""
+    assert_matches_reference(lambda x, *p: ConvMlpBandsFunction.apply(x, hw, rows, *p),
+                             lambda x, *p: _conv_mlp_ref(x, hw, *p), [_x(hw)] + _params())
+
+
+@pytest.mark.parametrize('rows', [None, 7, 1, 61])
+def test_norm_mlp_function_matches_reference(rows):
+    """LayerNorm -> fc1 -> GELU -> fc2 whole and in pieces of `rows` tokens of 2 x 31 (a partial last one)."""
+    w1, b1, _, _, w2, b2 = _params()
+    lw, lb = (torch.randn(C, dtype=torch.float64).requires_grad_() for _ in range(2))
+    x = _x((31, 1))
+
+    def ref(x, lw, lb, w1, b1, w2, b2):
+        return F.linear(F.gelu(F.linear(F.layer_norm(x, (C,), lw, lb, 1e-5), w1, b1)), w2, b2)
+    assert_matches_reference(lambda *a: NormMlpFunction.apply(a[0], a[1], a[2], 1e-5, *a[3:], rows), ref,
+                             [x, lw, lb, w1, b1, w2, b2], atol=1e-11)
+
+
+# ------------------------------------------------------------------ the layers' dispatch
+def _grad_fn(y):
+    return type(y.grad_fn).__name__
+
+
+def _layer(cls, recompute=True, max_elems=2 * 7 * C, devices=('cpu',), **kw):
+    m = _random_(cls(C, R, recompute=recompute, **kw))
+    set_memory_policy(m, dict(max_elems=max_elems, devices=devices))
+    return m
+
+
+@pytest.mark.parametrize('cls', [Mlp, ConvMlp])
+def test_layer_inference_in_pieces_equals_reference(cls):
+    m = _layer(cls).eval()
+    hw = (7, 9)
+    x = torch.randn(2, 63, C, dtype=torch.float64)
+    with torch.no_grad():
+        fast = m(x, hw)
+    ref = m(x.clone().requires_grad_(), hw)          # eval with grad (Grad-CAM): the reference
+    torch.testing.assert_close(fast, ref.detach(), rtol=1e-12, atol=1e-13)
+    if cls is Mlp:
+        reference = lambda t: mlp_reference(t, m.fc1, m.fc2, F.gelu, nn.Identity())   # noqa: E731
+    else:
+        reference = lambda t: conv_mlp_reference(t, hw, m.fc1, m.dwc, m.fc2, F.gelu, nn.Identity())  # noqa: E731
+    assert_matches_reference(lambda t: m(t, hw), reference, [x.requires_grad_()])
+
+
+def test_conv_mlp_layer_takes_the_train_functions():
+    """With `recompute` in a training step: pieces of rows on the policy's devices, whole maps elsewhere
+    (devices=('cuda',) on a CPU tensor), plain autograd without `recompute`; same values and gradients."""
+    hw = (7, 9)
+    x = _x(hw)
+    names = {}
+    for key, kw in {'bands': {}, 'whole': dict(devices=('cuda',)), 'plain': dict(recompute=False)}.items():
+        m = _layer(ConvMlp, **kw).train()
+        y = m(x, hw)
+        names[key] = _grad_fn(y)
+        assert_matches_reference(lambda t: m(t, hw), lambda t: _conv_mlp_ref(t, hw, *m.parameters()), [x])
+    assert names == {'bands': 'ConvMlpBandsFunctionBackward', 'whole': 'ConvMlpFunctionBackward',
+                     'plain': 'ViewBackward0'}, names
+
+
+@pytest.mark.parametrize('keep_fc1', [True, False])
+def test_conv_mlp_function_keeps_input_and_fc1_output(keep_fc1, monkeypatch):
+    monkeypatch.setattr(ConvMlp, 'keep_fc1', keep_fc1)
+    m = _layer(ConvMlp, max_elems=None).train()
+    x = _x((6, 5))
+    y, saved = saved_for_backward(lambda: m(x, (6, 5)))
+    assert _grad_fn(y) == 'ConvMlpFunctionBackward'
+    assert nbytes(saved) - nbytes(list(m.parameters())) == 8 * 2 * 30 * (C + R * keep_fc1)
+
+
+@pytest.mark.parametrize('cls', [Mlp, ConvMlp])
+def test_recompute_with_dropout_same_gradients_less_saved(cls):
+    """Dropout in training: the reference recomputed in backward (RNG replayed: the same masks), not a
+    train function; same gradients as plain autograd; only the input kept."""
+    grads, saved = {}, {}
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        m = cls(8, 32, drop=0.1, recompute=recompute).double().train()
+        x = torch.randn(2, 6 * 5, 8, dtype=torch.float64, requires_grad=True)
+        torch.manual_seed(1)
+        y, saved[recompute] = saved_for_backward(lambda: m(x, (6, 5)))
+        saved[recompute] = nbytes(saved[recompute])
+        assert 'Function' not in _grad_fn(y)
+        (y * torch.arange(y.numel(), dtype=y.dtype).view_as(y).sin()).sum().backward()
+        grads[recompute] = [x.grad] + [p.grad for p in m.parameters()]
+    for a, b in zip(grads[False], grads[True]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert saved[True] <= 2 * 30 * 8 * 8 + 64
+    assert saved[True] * 4 < saved[False]
+
+
+@pytest.mark.parametrize('cls', [Mlp, ConvMlp])
+def test_train_mode_under_no_grad_keeps_dropout(cls):
+    m = _layer(cls, drop=0.5, max_elems=1).train()
+    x = torch.randn(2, 63, C, dtype=torch.float64)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        a = m(x, (7, 9))
+    torch.manual_seed(3)
+    b = m(x.clone().requires_grad_(), (7, 9))
+    torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
+    with torch.no_grad():
+        assert not torch.allclose(a, m.eval()(x, (7, 9)))
+
+
+def test_norm_mlp_branch_dispatch():
+    """A recomputing block's branch: `NormMlpFunction` (values and gradients of the reference); pieces on
+    the policy's devices only (whole maps with devices=('cuda',) give the same result)."""
+    from mmplugin_l2.models.backbones.l2vit import LGABlock
+    blk = _random_(LGABlock(8, 2)).train()
+    x = torch.randn(2, 40, 8, dtype=torch.float64, requires_grad=True)
+    for devices in (('cpu',), ('cuda',)):
+        set_memory_policy(blk, dict(max_elems=4 * 8, devices=devices))
+        assert _grad_fn(norm_mlp_branch(blk, blk.norm2, blk.mlp, x)) == 'NormMlpFunctionBackward'
+        assert_matches_reference(lambda t: norm_mlp_branch(blk, blk.norm2, blk.mlp, t),
+                                 lambda t: mlp_reference(t, blk.mlp.fc1, blk.mlp.fc2, F.gelu, nn.Identity(),
+                                                         blk.norm2), [x], atol=1e-11)
+
+
+# ------------------------------------------------------------------ settings the fast paths lack
+def _gelu_layer_like(m):
+    g = type(m)(C, R).double()
+    g.load_state_dict(m.state_dict())
+    return g
+
+
+@pytest.mark.parametrize('cls', [Mlp, ConvMlp])
+@pytest.mark.parametrize('mode', ['inference', 'train'])
+def test_other_activation_takes_the_reference(cls, mode):
+    """act_cfg ReLU / tanh-GELU: every path gives the reference's values with that activation (never the
+    exact GELU's), the same keys as the GELU layer."""
+    hw = (7, 9)
+    for act_cfg, act in ((dict(type='ReLU'), F.relu), (dict(type='GELU', approximate='tanh'),
+                                                       lambda t: F.gelu(t, approximate='tanh'))):
+        m = _layer(cls, act_cfg=act_cfg, max_elems=2 * C)
+        x = torch.randn(2, 63, C, dtype=torch.float64)
+        assert list(m.state_dict()) == list(_gelu_layer_like(m).state_dict())
+        if cls is Mlp:
+            ref = mlp_reference(x, m.fc1, m.fc2, act, nn.Identity())
+        else:
+            ref = conv_mlp_reference(x, hw, m.fc1, m.dwc, m.fc2, act, nn.Identity())
+        if mode == 'inference':
+            with torch.no_grad():
+                y, gelu_y = m.eval()(x, hw), _gelu_layer_like(m).eval()(x, hw)
+        else:
+            xg = x.clone().requires_grad_()
+            y, gelu_y = m.train()(xg, hw), _gelu_layer_like(m).train()(xg, hw)
+            assert 'Function' not in _grad_fn(y)
+        torch.testing.assert_close(y.detach(), ref.detach(), rtol=1e-12, atol=1e-13)
+        assert (y - gelu_y).abs().max() > 1e-7        # tanh-GELU is within ~1e-4 of GELU
+
+
+def test_norm_mlp_branch_other_activation_takes_the_reference():
+    from mmplugin_l2.models.backbones.l2vit import LGABlock
+    blk = _random_(LGABlock(8, 2)).train()
+    blk.mlp.act = nn.ReLU()
+    x = torch.randn(2, 40, 8, dtype=torch.float64, requires_grad=True)
+    y = norm_mlp_branch(blk, blk.norm2, blk.mlp, x)
+    assert 'NormMlp' not in _grad_fn(y)
+    torch.testing.assert_close(y, blk.mlp.fc2(F.relu(blk.mlp.fc1(blk.norm2(x)))), rtol=1e-12, atol=1e-13)
+
+
+# ------------------------------------------------------------------ autocast on CPU
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('cls', [Mlp, ConvMlp])
+@pytest.mark.parametrize('train', [False, True])
+def test_layers_under_autocast(dtype, cls, train):
+    """fp32 layers under CPU autocast, pieces forced (tiny max_elems): no dtype error, the dtype autocast
+    gives, the float32 reference's values to half precision; training with `recompute` falls back to the
+    (recomputed) reference and its gradients are close too."""
+    torch.manual_seed(0)
+    m = cls(C, R, recompute=True).float()
+    set_memory_policy(m, dict(max_elems=2 * C))
+    m.train(train)
+    hw = (7, 9)
+    x = torch.randn(2, 63, C, requires_grad=train)
+    ref = m(x, hw) if train else m.eval()(x.detach(), hw)
+    with torch.autocast('cpu', dtype=dtype), torch.set_grad_enabled(train):
+        y = m(x, hw)
+        expect = cls(C, R).to(dtype)
+        expect.load_state_dict(m.state_dict())
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.float(), ref, rtol=0.05, atol=0.05)
+    if train:
+        assert 'Function' not in _grad_fn(y)
+        g_fast = torch.autograd.grad(y.float().sum(), [x] + list(m.parameters()))
+        g_ref = torch.autograd.grad(ref.sum(), [x] + list(m.parameters()))
+        for a, b in zip(g_fast, g_ref):
+            torch.testing.assert_close(a, b, rtol=0.05, atol=0.1)
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('name', ['vit3', 'l2vit', 'rest'])
+def test_backbones_under_autocast_in_pieces(dtype, name):
+    """Whole backbones (stems, LCM, MLPs) in eval mode under CPU autocast with every piece path forced
+    (max_elems 2**8 at 64 x 64, 2**14 at 224 x 224 crashed the Mlp's pieces before): close to fp32 whole maps."""
+    torch.manual_seed(0)
+    m = {'vit3': lambda: ViT3(arch=dict(embed_dims=32, num_layers=2, num_heads=2), patch_size=8),
+         'l2vit': lambda: L2ViT(arch=TINY_L2VIT, drop_path_rate=0.),
+         'rest': lambda: ResT(arch=TINY_REST, drop_path_rate=0.)}[name]().eval()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        set_memory_policy(m, None)
+        ref = m(x)
+        set_memory_policy(m, dict(max_elems=2 ** 8))
+        with torch.autocast('cpu', dtype=dtype):
+            out = m(x)
+    for a, b in zip(out, ref):
+        assert torch.isfinite(a).all()
+        assert (a.float() - b).abs().max() <= 0.1 * b.abs().max() + 0.05
+
+
+# ------------------------------------------------------------------ memory of the training pieces
+class _NewTensors(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the element count of every tensor an op returns in new memory (not a view of or a write into
+    one of its arguments)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numels = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        given = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                 if torch.is_tensor(t)}
+        self.numels += [t.numel() for t in torch.utils._pytree.tree_leaves(out)
+                        if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in given]
+        return out
+
+
+def test_norm_mlp_branch_pieces_keep_hidden_tensors_piece_sized():
+    """In a training step on a device of the policy the branch runs in pieces of `max_elems`: the fc1 output
+    is the only hidden-width (N, rC) tensor of its forward and backward; on other device types (none
+    listed) the same gradients from whole maps."""
+    from mmplugin_l2.models.backbones.l2vit import LGABlock
+    n, c = 2 * 40, 8
+    grads = {}
+    for devices in (('cpu',), ()):
+        torch.manual_seed(0)
+        blk = _random_(LGABlock(c, 2), std=0.3).train()
+        set_memory_policy(blk, dict(max_elems=4 * c, devices=devices))     # pieces of 4 tokens
+        x = torch.randn(2, 40, c, dtype=torch.float64, requires_grad=True)
+        with _NewTensors() as rec:
+            y = norm_mlp_branch(blk, blk.norm2, blk.mlp, x)
+            grads[devices] = torch.autograd.grad(y, [x] + list(blk.mlp.parameters()), torch.ones_like(y))
+        hidden = sum(k >= n * 4 * c for k in rec.numels)
+        assert hidden == (1 if devices else 3), rec.numels    # whole maps: + the GELU output twice
+    for a, b in zip(*grads.values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
