@@ -8,6 +8,7 @@ import importlib.metadata
 import json
 import os
 import re
+import shutil
 import signal
 import site
 import subprocess
@@ -252,17 +253,37 @@ def device_like_env(tmp_path):
     return str(venv / 'bin' / 'python'), env
 
 
+def traveling_copy(dest):
+    """A copy of what the device tool sends: the tracked and the untracked-not-ignored files (no installed
+    .mim, egg-info or caches)."""
+    files = subprocess.run(['git', 'ls-files', '-co', '--exclude-standard', '-z'], cwd=ROOT, capture_output=True,
+                           check=True).stdout.decode().split('\0')
+    for f in filter(None, files):
+        src, dst = Path(ROOT, f), dest / f
+        if not src.exists() and not src.is_symlink():  # deleted in the work tree
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_symlink():
+            dst.symlink_to(os.readlink(src))
+        else:
+            shutil.copy2(src, dst)
+    return dest
+
+
 def test_device_check_runs_as_on_the_gpu_machine(carry, tmp_path):
-    """device_check.sh --carry on the CPU: every part finishes, from the machine's packages plus the carry."""
+    """device_check.sh --carry on the CPU from a copy of what travels: every part finishes, from the machine's
+    packages plus the carry."""
     py, env = device_like_env(tmp_path)
+    repo = traveling_copy(tmp_path / 'repo')
+    assert not (repo / 'mmplugin_l2/.mim').exists()
     r = subprocess.run([py, '-c', 'import torch, timm, cv2\ntry:\n import mmengine\nexcept ImportError: print("ok")'],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.stdout.strip() == 'ok', r.stdout + r.stderr  # the system's mmengine is out of sight
     out = tmp_path / 'dc'
-    r = subprocess.run(['bash', f'{ROOT}/tools/analysis/device_check.sh', '--carry', str(carry[0]), '--out-dir',
+    r = subprocess.run(['bash', 'tools/analysis/device_check.sh', '--carry', str(carry[0]), '--out-dir',
                         str(out), '--budget', '1800', '--device', 'cpu', '--tiny', '--parity-size', '64',
                         '--amp-size', '64x96', '--bench', '64/b1', '64x96/b2', '--warmup', '0', '--iters', '1'],
-                       capture_output=True, text=True, cwd=tmp_path, env=dict(env, PYTHON=py), timeout=2400)
+                       capture_output=True, text=True, cwd=repo, env=dict(env, PYTHON=py), timeout=2400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((out / 'device_check.json').read_text())
     assert res['complete'] and list(res['parts']) == ['env', 'parity', 'amp', 'sync', 'latency', 'train']
@@ -270,6 +291,7 @@ def test_device_check_runs_as_on_the_gpu_machine(carry, tmp_path):
     env_ = res['env']
     assert env_['mmengine_path'].startswith(env['SITE']) and env_['mmcv_path'].startswith(env['SITE'])
     assert env_['mmengine'] == '0.10.7' and env_['mmcv'] == '2.1.0' and env_['executable'] == py
+    assert env_['mmplugin_l2_path'] == str(repo / 'mmplugin_l2')
     assert env_['backbones_import'] == []  # neither mmdet nor mmcv's compiled ops
     assert env_['mmdet'].startswith('unavailable') and env_['swin_source'].startswith('timm')
     models = ['hvit3_t', 'vit3_t', 'l2vit_t', 'rest_s']

@@ -25,7 +25,7 @@ while [ $# -gt 0 ]; do
     --carry) CARRY="${2:?--carry DIR}"; shift 2 ;;
     --out-dir) OUT_DIR="${2:?--out-dir DIR}"; shift 2 ;;
     --budget) BUDGET="${2:?--budget SECONDS}"; shift 2 ;;
-    -h|--help) sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) ARGS+=("$1"); shift ;;
   esac
 done
