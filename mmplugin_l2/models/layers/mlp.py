@@ -17,7 +17,7 @@ from mmcv.cnn import build_activation_layer
 
 from ..ops import choose
 from ..ops.memory import DEFAULT_POLICY, pre_norm, recomputes
-from ..ops.mlp import (ConvMlpBandsFunction, ConvMlpFunction, NormMlpFunction, conv_mlp,  # noqa: F401
+from ..ops.mlp import (ConvMlpPiecesFunction, ConvMlpFunction, NormMlpFunction, conv_mlp,  # noqa: F401
                        linear_into as _linear_into, mlp, norm_mlp_train, train_applies)
 from ..ops.mlp.pieces import gelu_
 from .conv import Conv2dCL

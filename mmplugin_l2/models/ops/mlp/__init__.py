@@ -14,9 +14,9 @@ from ..dispatch import INFERENCE, TRAIN
 from ..dtypes import autocast_on
 from .pieces import conv_mlp_inference, gelu_, linear_into, mlp_inference
 from .reference import conv_mlp_reference, mlp_reference
-from .train import ConvMlpBandsFunction, ConvMlpFunction, NormMlpFunction
+from .train import ConvMlpPiecesFunction, ConvMlpFunction, NormMlpFunction
 
-__all__ = ['ConvMlpBandsFunction', 'ConvMlpFunction', 'NormMlpFunction', 'conv_mlp', 'conv_mlp_inference',
+__all__ = ['ConvMlpPiecesFunction', 'ConvMlpFunction', 'NormMlpFunction', 'conv_mlp', 'conv_mlp_inference',
            'conv_mlp_reference', 'exact_gelu', 'gelu_', 'linear_into', 'mlp', 'mlp_inference', 'mlp_reference',
            'norm_mlp_train', 'train_applies']
 
@@ -68,7 +68,7 @@ def conv_mlp(path, x, hw_shape, fc1, dwc, fc2, act, drop, keep_fc1=True):
 
     Args:
         path (Path): from `ops.dispatch.choose` (piece unit: elements of x). 'inference' runs
-            `conv_mlp_inference` (exact GELU); 'train' (x needing a gradient) `ConvMlpBandsFunction` with a
+            `conv_mlp_inference` (exact GELU); 'train' (x needing a gradient) `ConvMlpPiecesFunction` with a
             piece and `keep_fc1`, else `ConvMlpFunction` (where `train_applies`), else the reference
             recomputed in backward; anything else the reference.
         x (Tensor): tokens (B, N, C) of an (H, W) map.
@@ -90,7 +90,7 @@ def conv_mlp(path, x, hw_shape, fc1, dwc, fc2, act, drop, keep_fc1=True):
             params = (fc1.weight, fc1.bias, dwc.weight, dwc.bias, fc2.weight, fc2.bias)
             if path.piece is not None and keep_fc1:
                 rows = max(1, path.piece // (x.shape[0] * hw_shape[1] * x.shape[-1]))
-                return ConvMlpBandsFunction.apply(x, tuple(hw_shape), rows, *params)
+                return ConvMlpPiecesFunction.apply(x, tuple(hw_shape), rows, *params)
             return ConvMlpFunction.apply(x, tuple(hw_shape), keep_fc1, *params)
         return _checkpointed(lambda t: conv_mlp_reference(t, hw_shape, fc1, dwc, fc2, act, drop), x)
     return conv_mlp_reference(x, hw_shape, fc1, dwc, fc2, act, drop)

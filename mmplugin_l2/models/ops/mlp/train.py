@@ -4,7 +4,7 @@
 * `NormMlpFunction`: fc2(GELU(fc1(LayerNorm(x)))), keeping x and the fc1 output; optionally in pieces of
   tokens.
 * `ConvMlpFunction`: ConvMlp's chain, keeping x (and the fc1 output with `keep_fc1`).
-* `ConvMlpBandsFunction`: the same in pieces of rows with one halo row each side.
+* `ConvMlpPiecesFunction`: the same in pieces of rows with one halo row each side.
 """
 import torch
 import torch.nn.functional as F
@@ -121,14 +121,14 @@ class ConvMlpFunction(torch.autograd.Function):
         return dx, None, None, dw1, db1, dwc, dbc, dw2, db2
 
 
-class ConvMlpBandsFunction(torch.autograd.Function):
-    """`ConvMlpFunction` with `keep_fc1`, band by band of `rows` map rows (the memory policy's training
+class ConvMlpPiecesFunction(torch.autograd.Function):
+    """`ConvMlpFunction` with `keep_fc1`, piece by piece of `rows` map rows (the memory policy's training
     pieces on CPU, `memory.MemoryPolicy.train_cache_pieces`): fc1 runs on the whole map (its output h is
-    kept), everything after it per band with one halo row above and below for the 3x3 conv, so GELU(h), the
-    conv output, the second GELU and, in backward, their gradients are band-sized temporaries in cache.
-    Backward collects d(GELU1 output) over the bands in one (B, H, W, rC) buffer (a band's conv gradient
+    kept), everything after it per piece with one halo row above and below for the 3x3 conv, so GELU(h), the
+    conv output, the second GELU and, in backward, their gradients are piece-sized temporaries in cache.
+    Backward collects d(GELU1 output) over the pieces in one (B, H, W, rC) buffer (a piece's conv gradient
     reaches its halo rows), then runs fc1's backward on the whole map. Same output and input gradient as
-    `ConvMlpFunction` up to rounding; the conv and fc2 parameter gradients are sums over the bands."""
+    `ConvMlpFunction` up to rounding; the conv and fc2 parameter gradients are sums over the pieces."""
 
     @staticmethod
     def forward(ctx, x, hw_shape, rows, w1, b1, wc, bc, w2, b2):
@@ -138,9 +138,9 @@ class ConvMlpBandsFunction(torch.autograd.Function):
         hm = h.view(b, hh, ww, -1)
         y = x.new_empty(b, hh, ww, w2.shape[0])
         wcl = wc.to(memory_format=torch.channels_last)
-        for r0, r1, a0, a1 in _bands(hh, rows):
+        for r0, r1, a0, a1 in _row_pieces(hh, rows):
             u = F.gelu(hm[:, a0:a1])
-            y[:, r0:r1] = F.linear(F.gelu(_band_conv_residual(u, r0 - a0, r1 - a0, wcl, bc)), w2, b2)
+            y[:, r0:r1] = F.linear(F.gelu(_piece_conv_residual(u, r0 - a0, r1 - a0, wcl, bc)), w2, b2)
         ctx.hw_shape, ctx.rows = hw_shape, rows
         ctx.save_for_backward(x, h, w1, b1, wc, bc, w2, b2)
         return y.view(b, n, -1)
@@ -159,9 +159,9 @@ class ConvMlpBandsFunction(torch.autograd.Function):
         dwc = torch.zeros_like(wc) if need[5] else None
         dbc = torch.zeros_like(bc) if bc is not None and need[6] else None
         wcl = wc.to(memory_format=torch.channels_last)
-        for r0, r1, a0, a1 in _bands(hh, ctx.rows):
+        for r0, r1, a0, a1 in _row_pieces(hh, ctx.rows):
             u = F.gelu(hm[:, a0:a1])
-            s = _band_conv_residual(u, r0 - a0, r1 - a0, wcl, bc)
+            s = _piece_conv_residual(u, r0 - a0, r1 - a0, wcl, bc)
             a = F.gelu(s).view(-1, r)
             g = gm[:, r0:r1].reshape(-1, gm.shape[-1])
             if dw2 is not None:
@@ -188,18 +188,18 @@ class ConvMlpBandsFunction(torch.autograd.Function):
         return dx, None, None, dw1, db1, dwc, dbc, dw2, db2
 
 
-def _bands(h, rows):
-    """(r0, r1, a0, a1) per band of `rows` map rows: the band's rows [r0, r1) and, with one halo row on
+def _row_pieces(h, rows):
+    """(r0, r1, a0, a1) per piece of `rows` map rows: the piece's rows [r0, r1) and, with one halo row on
     each side where there is one, the rows [a0, a1) its 3x3 conv reads."""
     for r0 in range(0, h, rows):
         r1 = min(h, r0 + rows)
         yield r0, r1, max(0, r0 - 1), min(h, r1 + 1)
 
 
-def _band_conv_residual(u, i0, i1, wcl, bc):
-    """u + DWConv3x3(u) on the rows [i0, i1) of a band u (B, rows, W, rC) (channels-last; `wcl` the conv
-    weight in channels-last format): the conv of the whole band (its zero padding is the map's border only
-    at the map's top and bottom; the band's first and last rows are halo rows where they are not) cut to
+def _piece_conv_residual(u, i0, i1, wcl, bc):
+    """u + DWConv3x3(u) on the rows [i0, i1) of a piece of rows u (B, rows, W, rC) (channels-last; `wcl` the conv
+    weight in channels-last format): the conv of the whole piece (its zero padding is the map's border only
+    at the map's top and bottom; the piece's first and last rows are halo rows where they are not) cut to
     the rows it has both neighbours for."""
     cv = F.conv2d(u.permute(0, 3, 1, 2), wcl, bc, padding=1, groups=u.shape[-1]).permute(0, 2, 3, 1)
     return cv[:, i0:i1].add(u[:, i0:i1])
@@ -211,12 +211,3 @@ def _conv_residual(u, hw_shape, wc, bc):
     c = F.conv2d(tokens_to_map(u, hw_shape), wc.to(memory_format=torch.channels_last), bc, padding=1,
                  groups=u.shape[-1])
     return map_to_tokens(c).add_(u)
-
-
-def _closed_form_applies(mlp, x):
-    """Whether an MLP's closed-form training function (`NormMlpFunction`, `ConvMlpFunction`) may run:
-    no active dropout (its masks need checkpointing's RNG replay), fp32 / fp64 tokens outside autocast."""
-    return (not (mlp.drop.p > 0 and mlp.training) and x.dtype in (torch.float32, torch.float64)
-            and not autocast_on(x.device.type))
-
-
