@@ -69,15 +69,27 @@ def test_backbone_only_and_bad_checkpoint(tmp_path, capsys):
     cfg = small_config(tmp_path, 'configs/mmpretrain/l2vit_t_in1k.py',
                        f"model = dict(backbone=dict(arch=dict(_delete_=True, **{TINY_L2VIT!r}), out_indices=(0, 1, 2, 3)), "
                        f"head=dict(in_channels=64))")
-    out = run(capsys, cfg, '--out', tmp_path / 'bb.onnx', '--shape', 50, 70, '--backbone-only', '--verify')
+    bb = tmp_path / 'not' / 'yet' / 'bb.onnx'   # --out in folders that do not exist: created before the export
+    out = run(capsys, cfg, '--out', bb, '--shape', 50, 70, '--backbone-only', '--verify')
     assert 'backbone of ImageClassifier' in out and worst(out) < 1e-5
-    assert len(onnx.load(str(tmp_path / 'bb.onnx')).graph.output) == 4
+    assert len(onnx.load(str(bb)).graph.output) == 4
     wrong = tmp_path / 'wrong.pth'
     torch.save({'state_dict': {'backbone.foo': torch.zeros(3)}}, wrong)
     with pytest.raises(Exception, match='does not fit'):
         run(capsys, cfg, wrong, '--out', tmp_path / 'x.onnx')
-    graph = onnx.load(str(tmp_path / 'bb.onnx')).graph
+    graph = onnx.load(str(bb)).graph
     assert dims(graph.input[0]) == [1, 3, 50, 70]   # without --dynamic: fixed size
+
+
+def test_unusable_out_is_refused_before_the_work(tmp_path, capsys):
+    """An --out under a file, or naming a folder, stops with one line before the config is read (the config
+    given does not exist, so any later failure would name it instead)."""
+    (tmp_path / 'afile').write_text('')
+    missing_cfg = tmp_path / 'no_such_config.py'
+    with pytest.raises(SystemExit, match=r'^error: --out .*afile.*cannot create its folder'):
+        run(capsys, missing_cfg, '--out', tmp_path / 'afile' / 'm.onnx')
+    with pytest.raises(SystemExit, match=r'^error: --out .* is a folder'):
+        run(capsys, missing_cfg, '--out', tmp_path)
 
 
 class _BakesWidth(torch.nn.Module):

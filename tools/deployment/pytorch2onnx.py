@@ -17,6 +17,7 @@ relative difference exceeds 1e-4.
 """
 import argparse
 import copy
+import os
 import sys
 import warnings
 
@@ -182,10 +183,28 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def prepare_out(out):
+    """Create the folder of the .onnx file to write before any work; exit with a one-line error when it cannot.
+
+    Args:
+        out (str): path of the .onnx file to write (--out).
+    """
+    if os.path.isdir(out):
+        sys.exit(f'error: --out {out} is a folder; give the path of the .onnx file to write')
+    folder = os.path.dirname(os.path.abspath(out))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        sys.exit(f'error: --out {out}: cannot create its folder {folder} ({e.strerror})')
+    if not os.access(folder, os.W_OK):
+        sys.exit(f'error: --out {out}: its folder {folder} is not writable')
+
+
 def main(argv=None):
     args = parse_args(argv)
     if min(args.shape) < 1 or args.batch < 1:
         sys.exit(f'error: --shape {args.shape} and --batch {args.batch} must be positive')
+    prepare_out(args.out)
     cfg = Config.fromfile(args.config)
     if args.cfg_options:
         cfg.merge_from_dict(args.cfg_options)
