@@ -330,7 +330,7 @@ def part_train(args):
             try:
                 m = make().to(dev)
                 # CPU: no memory figure (the peak RSS of a process that already ran other models is not
-                # this model's; tools/analysis/train_benchmark.py measures CPU memory in fresh processes)
+                # this model's; tools/analysis/benchmark.py measures CPU memory in fresh processes)
                 steps, peak = train_steps(m, x, args.warmup, args.iters, memory=dev.type == 'cuda')
                 tot = [s['total_ms'] for s in steps]
                 out.setdefault(spec, {})[label] = dict(
