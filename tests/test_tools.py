@@ -184,3 +184,25 @@ def test_profile_iteration_trains_the_whole_model(workdir, monkeypatch):
     unchanged = [k for k, p in model.named_parameters() if k in before and torch.equal(p, before[k])]
     # parameters no loss reaches in a Mask R-CNN iteration would be a bug of the split, not of the model
     assert not [k for k in unchanged if k.startswith('backbone.')], unchanged
+
+
+@pytest.mark.parametrize('content', [b'', b'not an image at all', 'truncated'])
+def test_unreadable_image_is_one_line_naming_the_file(tmp_path, content):
+    """The image reader of tools/analysis (vis_attention.py, erf.py): an empty, non-image or truncated file gives a
+    one-line ValueError with the file's name, not PIL's traceback."""
+    from PIL import Image
+    from mmplugin_l2.analysis.inputs import load_image
+    good = tmp_path / 'good.png'
+    Image.new('RGB', (20, 10), (10, 200, 30)).save(good)
+    x, img = load_image(str(good), (8, 12))
+    assert x.shape == (1, 3, 8, 12) and img.shape == (8, 12, 3)
+    bad = tmp_path / 'bad.jpg'
+    if content == 'truncated':
+        Image.new('RGB', (64, 64), (10, 200, 30)).save(tmp_path / 'full.jpg')
+        content = (tmp_path / 'full.jpg').read_bytes()[:200]
+    bad.write_bytes(content)
+    with pytest.raises(ValueError) as info:
+        load_image(str(bad), (8, 12))
+    msg = str(info.value)
+    assert str(bad) in msg and 'cannot be read' in msg and '\n' not in msg
+    assert ('empty file' in msg) == (content == b'')

@@ -87,12 +87,19 @@ def parse_size(size):
 
 def load_image(path, size, mean=IMAGENET_MEAN, std=IMAGENET_STD, to_rgb=True):
     """Image file -> (tensor (1, 3, H, W) float32 normalised, RGB uint8 array (H, W, 3) for drawing),
-    resized (bilinear) to `size` = (H, W)."""
+    resized (bilinear) to `size` = (H, W). A missing file raises FileNotFoundError, an empty, truncated or
+    non-image file a one-line ValueError naming it."""
     from PIL import Image
     if not osp.isfile(path):
         raise FileNotFoundError(f'image {path!r} not found')
     h, w = parse_size(size)
-    img = np.asarray(Image.open(path).convert('RGB').resize((w, h), Image.BILINEAR))
+    try:
+        with Image.open(path) as im:
+            img = np.asarray(im.convert('RGB').resize((w, h), Image.BILINEAR))
+    except OSError as e:   # PIL's UnidentifiedImageError (empty / not an image) and truncated files are OSErrors
+        empty = ' (empty file, 0 bytes)' if osp.getsize(path) == 0 else ''
+        raise ValueError(f'image {path!r} cannot be read{empty}: {type(e).__name__}: {str(e).splitlines()[0]}; '
+                         'give a JPEG / PNG / BMP / WebP file') from None
     x = img if to_rgb else img[..., ::-1]
     x = (torch.from_numpy(np.ascontiguousarray(x)).float() - torch.tensor(mean)) / torch.tensor(std)
     return x.permute(2, 0, 1)[None].contiguous(), img
