@@ -82,3 +82,39 @@ def test_installed_with_the_package():
     for c in CONFIGS:
         assert osp.isfile(osp.join(mim, c)), c
     assert osp.isfile(osp.join(mim, 'tools', 'train.py'))  # what `mim train mmplugin_l2` runs
+
+
+def _get_flops():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location('get_flops', osp.join(ROOT, 'tools', 'analysis', 'get_flops.py'))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+CHEAP = ['hvit3_t_in1k', 'vit3_t_in1k', 'l2vit_t_in1k', 'rest_lite_in1k']
+
+
+@pytest.mark.parametrize('name', CHEAP)
+def test_cheap_entries_numbers_are_the_counters(name):
+    """The Parameters / FLOPs of the tiny classifiers (224x224, the metafile's input) equal what
+    `get_flops.py --update-metafile` writes: the whole model's count from mmplugin_l2.analysis.flops."""
+    from mmplugin_l2.analysis.flops import model_complexity
+    from mmplugin_l2.apis import load_config
+    (entry, ) = [m for _, m in ENTRIES if m['Name'] == name]
+    res = model_complexity(load_config(osp.join(ROOT, entry['Config'])))
+    assert res['shape'] == (224, 224) or tuple(res['shape']) == (224, 224)
+    assert entry['Metadata']['Parameters'] == res['model']['params']
+    assert entry['Metadata']['FLOPs'] == res['model']['flops'], (name, entry['Metadata']['FLOPs'], res['model'])
+
+
+def test_update_mode_rewrites_only_the_numbers_of_the_entry():
+    text = ('# head\nModels:\n- Name: a\n  Metadata:\n    Parameters: 1\n    Framework: x\n    FLOPs: 7\n'
+            '- Name: b\n  Metadata:\n    Parameters: 2\n    Epochs: 3\n')
+    out = _get_flops().set_entry_numbers(text, 'b', 20, 300)
+    assert out == text.replace('    Parameters: 2\n', '    Parameters: 20\n    FLOPs: 300\n')
+    out = _get_flops().set_entry_numbers(out, 'a', 10, 70)
+    assert yaml.safe_load(out)['Models'] == [
+        {'Name': 'a', 'Metadata': {'Parameters': 10, 'FLOPs': 70, 'Framework': 'x'}},
+        {'Name': 'b', 'Metadata': {'Parameters': 20, 'FLOPs': 300, 'Epochs': 3}}]
+    assert out.startswith('# head\n')
