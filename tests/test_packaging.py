@@ -142,3 +142,26 @@ def test_install_script_gives_mim_and_base_configs(tmp_path, setuptools_spec):
                         '--gpus', '0', '-y', '--', '--help'], cwd=str(user), env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0 and '--cfg-options' in r.stdout and '--resume' in r.stdout, r.stdout[-2000:] + r.stderr
+
+
+def test_install_script_moves_the_install_to_another_clone(tmp_path):
+    """A second clone installed into the same environment takes over: its line replaces the first clone's in
+    easy-install.pth (pip leaves a development install outside the environment's prefix alone), so both
+    `import mmplugin_l2` and mim find the second one."""
+    venv = tmp_path / 'venv'
+    subprocess.run([sys.executable, '-m', 'venv', '--system-site-packages', str(venv)], check=True)
+    py = str(venv / 'bin' / 'python')
+    env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'VIRTUAL_ENV')}
+    env.update(PATH=f'{venv / "bin"}:{env["PATH"]}', PYTHON=py)
+    for name in ('first', 'second'):
+        _copy_tracked_files(tmp_path / name)
+        r = subprocess.run(['bash', str(tmp_path / name / 'tools' / 'install.sh')], env=env, capture_output=True,
+                           text=True, timeout=900)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    code = ("import mmplugin_l2, pkg_resources; "
+            "print(mmplugin_l2.__file__, pkg_resources.get_distribution('mmplugin_l2').location)")
+    r = subprocess.run([py, '-W', 'ignore', '-c', code], cwd=str(tmp_path), env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    module, location = r.stdout.split()
+    assert osp.samefile(osp.dirname(module), tmp_path / 'second' / 'mmplugin_l2')
+    assert osp.samefile(location, tmp_path / 'second')

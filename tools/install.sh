@@ -92,8 +92,16 @@ for f in configs tools model-index.yml; do
 done
 site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 printf '%s\n.\n' "$here" > "$site/mmplugin_l2.egg-link"
-touch "$site/easy-install.pth"
-grep -qxF "$here" "$site/easy-install.pth" || echo "$here" >> "$site/easy-install.pth"
+# easy-install.pth: this checkout, and no other mmplugin_l2 checkout (pip does not uninstall a development install
+# outside the environment's prefix, so an earlier clone's line would stay first on sys.path)
+"$PY" - "$site/easy-install.pth" "$here" <<'PY'
+import os.path as osp, sys
+pth, here = sys.argv[1:]
+lines = open(pth).read().splitlines() if osp.isfile(pth) else []
+keep = [ln for ln in lines if not osp.isfile(osp.join(ln.strip(), 'mmplugin_l2', '__init__.py'))]
+with open(pth, 'w') as f:
+    f.write('\n'.join(keep + [here]) + '\n')
+PY
 if ! stack_installed; then
   echo "[install] the stack does not import after installing; see the pip output above" >&2
   exit 1
