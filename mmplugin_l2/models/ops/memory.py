@@ -8,29 +8,17 @@ EMSA) follows one `MemoryPolicy`, set for a whole backbone by its `memory_policy
   window and linear attention) the piece's input tokens x channels, for the convolution chains (stems,
   downsamplings) input rows x width x the last layer's channels, for EMSA query rows x keys x heads of its
   attention map.
-* **Inference pieces** (`pieces`): a module in **eval mode**, with no autograd recording and not being
-  exported, on a device type in `devices`, whose whole-map activation would exceed `2 * max_elems`, computes
-  it in pieces of about `max_elems` (row bands, token chunks, bands of windows). Pieces keep the
-  intermediates in cache and out of the peak memory; the values are those of the whole map (bit-identical
-  where the pieces are independent rows; sums over pieces, e.g. K^T V, differ by the summation order,
-  ~1e-7 relative). A module in train mode never takes them (so dropout and BatchNorm statistics behave the
-  same under `torch.no_grad()`), nor does an eval-mode module while autograd records (Grad-CAM, receptive
-  fields): the pieces use in-place kernels that autograd cannot differentiate.
-* **Training pieces** (`train_cache_pieces`): in train mode with autograd recording, on a device type in
-  `devices`, a training function written for pieces (L2ViT's MLP branch, `mlp.NormMlpFunction`; H-ViT3's
-  ConvMlp in bands of rows with halo rows, `mlp.ConvMlpBandsFunction`) runs its
-  forward and backward in pieces of `max_elems` once the map exceeds `2 * max_elems`: its temporaries stay
-  in cache instead of being fresh map-sized tensors (on CPU every page of a fresh large tensor is zeroed by
-  the kernel on first touch). What it keeps for backward is unchanged; parameter gradients are sums over
-  the pieces (another summation order).
-* **Recomputation pieces** (`train_pieces`): in train mode with autograd recording, a layer that
-  recomputes in backward (ResT's `ChunkedEMSAAttention`) uses pieces of `max_elems` once the map exceeds
-  `2 * max_elems`, on every device (it is a memory saving, not a cache one). Whether a layer recomputes
-  at all is the backbone's `recompute` switch (`recomputes`).
-* On devices not in `devices` (CUDA by default) inference runs on whole maps: a GPU has no cache to keep
-  pieces in and pays a kernel launch per piece.
-
-The defaults reproduce the speed measured on CPU in docs/benchmark.md.
+* **Which implementation runs** is `ops.dispatch.choose`, once per forward: inference pieces for a module in
+  eval mode, with no autograd recording and not being exported; train pieces (a closed-form or recomputing
+  training function, `ops/*/train.py`) in train mode with autograd recording and the layer's `recompute` on;
+  the plain-autograd reference otherwise. Either kind of piece only on a device type in `devices`, and only
+  once the whole map exceeds `2 * max_elems`; then pieces of about `max_elems`. Inference pieces keep the
+  intermediates in cache and out of the peak memory; train pieces keep a training function's temporaries in
+  cache instead of fresh map-sized tensors (on CPU each page of a fresh large tensor is zeroed by the kernel on
+  first touch). Values are those of the whole map up to the summation order of sums over pieces.
+* The convolution chains (stems, downsamplings, LCM) ask `MemoryPolicy.pieces`, the same inference rule.
+* On devices not in `devices` (CUDA by default) every layer works on whole maps, in training too: a GPU has no
+  cache to keep pieces in and pays a kernel launch per piece. docs/memory_policy.md has the whole rule.
 """
 import contextlib
 
