@@ -206,3 +206,51 @@ def test_unreadable_image_is_one_line_naming_the_file(tmp_path, content):
     msg = str(info.value)
     assert str(bad) in msg and 'cannot be read' in msg and '\n' not in msg
     assert ('empty file' in msg) == (content == b'')
+
+
+INIT_CKPT = """
+import sys, torch
+from mmengine.config import Config
+from mmengine.registry import MODELS, init_default_scope
+import mmplugin_l2  # noqa: F401
+cfg = Config.fromfile(sys.argv[1])
+cfg.model.backbone.init_cfg = None
+init_default_scope(cfg.default_scope)
+torch.manual_seed(0)
+torch.save({'state_dict': MODELS.build(cfg.model).state_dict()}, sys.argv[2])
+"""
+
+SHOW_CASES = {
+    'det': ('mask_rcnn_hvit3_t_demo.py', f"model = dict({TINY}, neck=dict(in_channels=[16, 32, 64, 64]))\n",
+            'coco/val2017'),
+    'seg': ('upernet_hvit3_t_demo.py',
+            f"model = dict({TINY}, decode_head=dict(in_channels=[16, 32, 64, 64], channels=32),\n"
+            "             auxiliary_head=dict(in_channels=64, channels=16))\n",
+            'ade/ADEChallengeData2016/images/validation'),
+    'cls': ('hvit3_t_in1k_demo.py', f"model = dict({TINY}, head=dict(in_channels=64))\n", 'imagenet/val'),
+}
+
+
+@pytest.mark.parametrize('task', sorted(SHOW_CASES))
+def test_show_dir_draws_every_test_image_under_the_run_folder(workdir, task):
+    """--show-dir, one rule for det / seg / cls: a relative DIR is <work_dir>/<timestamp>/DIR, an absolute
+    one is used as is; one drawn file per test image, named like the image."""
+    base, extra, img_dir = SHOW_CASES[task]
+    cfg = write_cfg(workdir, f'show_{task}', base, extra)
+    ckpt = workdir / f'show_{task}.pth'
+    env = {**os.environ, 'PYTHONPATH': ROOT}   # this checkout's package, whatever the environment installed
+    r = subprocess.run([sys.executable, '-c', INIT_CKPT, cfg, str(ckpt)], cwd=workdir, capture_output=True,
+                       text=True, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    images = sorted(osp.basename(p) for p in glob.glob(str(workdir / 'data/demo' / img_dir / '**/*'), recursive=True)
+                    if p.lower().endswith(('.jpg', '.jpeg')))
+    assert len(images) == 4
+    wd = workdir / f'wd_show_{task}'
+    run(workdir, cfg, ckpt, '--work-dir', wd.name, '--show-dir', 'vis', tool='test.py', env=env)
+    (stamp,) = [d for d in os.listdir(wd) if osp.isdir(wd / d)]
+    assert sorted(os.listdir(wd / stamp / 'vis')) == images
+    assert not osp.exists(workdir / 'vis')
+    if task == 'cls':
+        absolute = workdir / 'abs_vis'
+        run(workdir, cfg, ckpt, '--work-dir', wd.name, '--show-dir', absolute, tool='test.py', env=env)
+        assert sorted(os.listdir(absolute)) == images

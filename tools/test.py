@@ -26,7 +26,8 @@ def parse_args(argv=None):
     p.add_argument('config', help='config file')
     p.add_argument('checkpoint', help='checkpoint file written by tools/train.py')
     p.add_argument('--work-dir', help='where the metrics log goes')
-    p.add_argument('--show-dir', help='draw predictions over the test images into this folder')
+    p.add_argument('--show-dir', help='draw every test image with its predictions into this folder; '
+                   'a relative one is <work_dir>/<timestamp>/DIR, an absolute one is used as is')
     p.add_argument('--out', help='also write the metrics to this JSON file')
     p.add_argument('--non-strict', action='store_true',
                    help='evaluate a checkpoint whose keys or shapes do not all fit the model (the keys '

@@ -31,20 +31,26 @@ def load_config(path, cfg_options=None, work_dir=None, launcher='none'):
 
 
 def enable_visualization(cfg, show_dir):
-    """Draw test predictions into `show_dir` with the framework's own visualisation hook."""
+    """Draw every test image with its predictions into `show_dir`, the same rule for the three libraries
+    (relative: under ``<work_dir>/<timestamp>/``, absolute: as is; see `show_dir.py` and docs/tools.md).
+
+    Args:
+        cfg (Config): the run's config; its ``default_hooks.visualization`` is set up in place.
+        show_dir (str): the `--show-dir` value.
+    """
+    from .show_dir import cls_hook, seg_hook
     hooks = cfg.default_hooks
     if 'visualization' not in hooks:
         raise ValueError('--show-dir needs a visualization hook in default_hooks')
     vis = hooks.visualization
+    keep = {k: vis[k] for k in ('backend_args', 'wait_time') if k in vis}
     if cfg.default_scope == 'mmdet':
         vis.draw = True
         vis.test_out_dir = show_dir
     elif cfg.default_scope == 'mmseg':
-        vis.draw = True
-        cfg.visualizer.save_dir = show_dir
+        hooks.visualization = dict(type=seg_hook(), draw=True, interval=1, out_dir=show_dir, **keep)
     else:
-        vis.enable = True
-        vis.out_dir = show_dir
+        hooks.visualization = dict(type=cls_hook(), enable=True, interval=1, out_dir=show_dir, **keep)
 
 
 def _sync_bn_to_bn(node):
