@@ -1,7 +1,7 @@
 """Inference of a chain of `ConvLayer`s band by band of output rows.
 
 A stem or a convolutional downsampling on a large image builds several map-sized intermediates (at
-1248 x 1248 the H-ViT3 stem makes five maps of 50-100 MB each). Without autograd nothing needs them
+1248 x 1248 the H-ViT3 stem makes five full-resolution maps). Without autograd nothing needs them
 at once: `conv_chain_in_bands` computes the final output a band of rows at a time. For each band the
 rows every layer needs (its receptive field, the halo) are worked out backwards from the band; each
 layer then convolves exactly those rows, with zero rows added only where its input really ends (the

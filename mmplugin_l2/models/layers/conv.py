@@ -15,7 +15,7 @@ class Conv2dCL(nn.Conv2d):
     """nn.Conv2d whose kernel is passed in channels-last memory format.
 
     Token maps (`tokens_to_map` of (B, N, C) tokens) are channels-last views; with a channels-last kernel
-    oneDNN / cuDNN keep the whole convolution channels-last (for depth-wise 3x3 convs on such maps ~10x
+    oneDNN / cuDNN keep the whole convolution channels-last (for depth-wise 3x3 convs on such maps much
     faster on CPU than the NCHW-kernel path) and the output's token view needs no copy. Same parameters
     and keys as nn.Conv2d; results equal to float rounding (the summation order of the kernel differs).
     """

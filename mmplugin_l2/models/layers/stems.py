@@ -41,8 +41,8 @@ class ConvStem(nn.Module):
     3x3 s2 (in -> C/2) -> 3x3 (C/2) -> 3x3 (C/2) -> 3x3 s2 (C/2 -> 4C) -> 1x1 (4C -> C, no activation);
     every conv is bias-free and followed by BatchNorm2d, ReLU after all but the last. The input is first
     zero-padded right/bottom to a multiple of 4, as the authors' dense-prediction code does. Everything
-    runs channels-last (the NCHW stem grows faster than linearly with the image on CPU: 13x the time for 6x
-    the pixels from 512^2 to 1248^2, 8.5x channels-last); rounding differs from theirs at the 1e-7 level.
+    runs channels-last (on CPU the NCHW stem's time grows faster than linearly with the image;
+    docs/benchmark.md); rounding differs from theirs at the 1e-7 level.
     """
 
     def __init__(self, in_channels, embed_dim):
