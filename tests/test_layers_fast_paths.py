@@ -194,7 +194,6 @@ def test_policy_rule_and_errors():
         assert MemoryPolicy(None).pieces(m, x, 10 ** 12) is None
         assert p.pieces(m.train(), x, 21) is None
     assert p.pieces(m.eval(), x, 21) is None                                    # autograd records
-    assert p.train_pieces(20) is None and p.train_pieces(21) == 10
     assert p.train_cache_pieces(x, 20) is None and p.train_cache_pieces(x, 21) == 10
     assert MemoryPolicy(10, devices=()).train_cache_pieces(x, 21) is None   # not on this device type
     assert MemoryPolicy(None).train_cache_pieces(x, 10 ** 12) is None

@@ -72,12 +72,6 @@ class MemoryPolicy:
             return None
         return self.max_elems
 
-    def train_pieces(self, whole_elems):
-        """Elements per piece of a recomputing layer's training step, or None for the whole map."""
-        if self.max_elems is None or whole_elems <= 2 * self.max_elems:
-            return None
-        return self.max_elems
-
     def __repr__(self):
         return f'MemoryPolicy(max_elems={self.max_elems}, devices={self.devices})'
 
