@@ -1,4 +1,4 @@
-"""Training-step memory of a ResT backbone: dense attention vs the chunked EMSA path (layers/emsa.py).
+"""Training-step memory of a ResT backbone: dense attention vs EMSA in pieces of queries (ops/emsa).
 
     python tools/analysis/rest_attention_memory.py [--arch small] [--size 512 512] [--batch 1]
         [--max-elems dense 1048576 ...] [--threads 2]
