@@ -16,28 +16,22 @@ from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST
 from mmplugin_l2 import HViT3, L2ViT, ResT, ViT3
 from mmplugin_l2.models.layers import (CPE, LCM, PA, Conv2dCL, ConvDownsample, ConvMlp, ConvStem, ConvStem2L,
                                       L2ViTStem, MemoryPolicy, Mlp, ResTPatchEmbed, ResTStem, set_memory_policy)
-from mmplugin_l2.models.layers.bands import can_run_in_bands
-from mmplugin_l2.models.ops import dispatch
-from mmplugin_l2.models.ops.memory import pre_norm
+from mmplugin_l2.models.ops import INFERENCE, TRAIN, Path, choose, dispatch
+from mmplugin_l2.models.ops.conv import batch_norm_updates
 
 
 class RecordingPolicy(MemoryPolicy):
-    """A MemoryPolicy that records which module types got pieces."""
+    """A MemoryPolicy whose `used` records whether `ops.dispatch.choose` gave pieces for it
+    (`_recording_choose`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.used = set()
 
-    def pieces(self, module, x, whole_elems):
-        piece = super().pieces(module, x, whole_elems)
-        if piece is not None:
-            self.used.add(type(module).__name__)
-        return piece
-
 
 @contextlib.contextmanager
 def _recording_choose(policy):
-    """Also record the pieces that `ops.dispatch.choose` gives for `policy` (ops under models/ops)."""
+    """Record the pieces that `ops.dispatch.choose` gives for `policy` (every layer's one dispatch)."""
     saved = dispatch._policy_piece
 
     def recording(p, x, whole_elems):
@@ -117,11 +111,11 @@ def test_conv_chains_in_row_bands(cls, args, shape, max_elems):
 def test_conv_chains_use_bands_only_when_safe():
     """No bands while a BatchNorm would update its running statistics, nor in train mode under no_grad."""
     stem = ConvStem(3, 16)
-    assert not can_run_in_bands(stem.conv.train())
-    assert can_run_in_bands(stem.conv.eval())
+    assert batch_norm_updates(stem.conv.train())
+    assert not batch_norm_updates(stem.conv.eval())
     policy = RecordingPolicy(1)
     set_memory_policy(stem, policy)
-    with torch.no_grad():
+    with torch.no_grad(), _recording_choose(policy):
         stem.train()(torch.randn(2, 3, 32, 32))
     assert not policy.used
 
@@ -132,12 +126,12 @@ class _PreNorm(nn.Module):
         self.norm, self.module = nn.LayerNorm(32), module
 
     def forward(self, x, *args):
-        return pre_norm(self.norm, self.module, x, *args)
+        return self.module(x, *args, norm=self.norm)
 
 
 @pytest.mark.parametrize('module,hw', [(Mlp(32, 64), ()), (LCM(32), ((20, 33),))])
 def test_pre_norm_in_the_pieces(module, hw):
-    """`memory.pre_norm`: at inference the LayerNorm runs piece by piece inside the module (Mlp chunks,
+    """`module(x, norm=norm)`: at inference the LayerNorm runs piece by piece inside the module (Mlp chunks,
     LCM row bands before the halo's zero rows) = module(norm(x)). The attention ops: tests/ops."""
     m = _random_(_PreNorm(module))
     n = hw[0][0] * hw[0][1] if hw else 45
@@ -185,18 +179,19 @@ def test_backbone_inference_path_equals_autograd_path(name):
 
 # ---- the policy's rule -------------------------------------------------------------------------
 def test_policy_rule_and_errors():
-    p = MemoryPolicy(10)
     m = nn.Linear(1, 1).eval()
+    m.memory_policy = MemoryPolicy(10)
     x = torch.zeros(1)
     with torch.no_grad():
-        assert p.pieces(m, x, 20) is None and p.pieces(m, x, 21) == 10
-        assert MemoryPolicy(10, devices=()).pieces(m, x, 21) is None          # not on this device type
-        assert MemoryPolicy(None).pieces(m, x, 10 ** 12) is None
-        assert p.pieces(m.train(), x, 21) is None
-    assert p.pieces(m.eval(), x, 21) is None                                    # autograd records
-    assert p.train_cache_pieces(x, 20) is None and p.train_cache_pieces(x, 21) == 10
-    assert MemoryPolicy(10, devices=()).train_cache_pieces(x, 21) is None   # not on this device type
-    assert MemoryPolicy(None).train_cache_pieces(x, 10 ** 12) is None
+        assert choose(m, x, 20) == Path(INFERENCE) and choose(m, x, 21) == Path(INFERENCE, 10)
+        assert choose(m, x, 21, policy=MemoryPolicy(10, devices=())) == Path(INFERENCE)   # not this device
+        assert choose(m, x, 10 ** 12, policy=MemoryPolicy(None)) == Path(INFERENCE)
+        assert choose(m.train(), x, 21) == Path.reference()
+    assert choose(m.eval(), x, 21) == Path.reference()                          # autograd records
+    m.train().recompute = True
+    assert choose(m, x, 20) == Path(TRAIN) and choose(m, x, 21) == Path(TRAIN, 10)
+    assert choose(m, x, 21, policy=MemoryPolicy(10, devices=())) == Path(TRAIN)
+    assert choose(m, x, 21, train=False) == Path.reference()                    # the op has no train path
     assert MemoryPolicy.build(None).max_elems is None
     with pytest.raises(ValueError, match='max_elems must be a positive int'):
         MemoryPolicy(0)

@@ -101,8 +101,8 @@ def profile_layers(model, x):
     named = layers(model)
     flops, by_module = _flops(model, x)
     stats, hooks = {}, []
-    active = [0]   # timed modules running now: one called inside another (a pre-norm run inside the
-    # attention's pieces, `ops.memory.pre_norm`) is timed as part of the outer one, not twice
+    active = [0]   # timed modules running now: one called inside another (a pre-norm passed as `norm=` and
+    # run inside the attention's pieces) is timed as part of the outer one, not twice
     for name, mod in named:
         g = layer_group(name, mod)
         s = stats.setdefault(g, dict(macs=0, seconds=0., bytes=0, calls=0, modules=0))

@@ -74,8 +74,8 @@ def _lcm_of(block):
 
 def capture(backbone, names, x):
     """Run backbone(x) without gradients and return {name: dict(args=..., kwargs=..., out=...)} for the
-    named modules (their forward inputs and output). A module that got its pre-norm to run inside its pieces
-    (`norm=`, `ops.memory.pre_norm`) is recorded with the normalised input, as if called on norm(x)."""
+    named modules (their forward inputs and output). A module called with its pre-norm (`norm=`, which it
+    applies itself, piece by piece at inference) is recorded with the normalised input, as if called on norm(x)."""
     mods = dict(backbone.named_modules())
     seen, handles = {}, []
     for n in names:

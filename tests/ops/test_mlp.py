@@ -11,8 +11,9 @@ from mmplugin_l2 import L2ViT, ResT, ViT3
 from mmplugin_l2.models.layers import ConvMlp, Mlp
 from mmplugin_l2.models.layers.mlp import norm_mlp_branch
 from mmplugin_l2.models.ops.memory import set_memory_policy
-from mmplugin_l2.models.ops.mlp import (ConvMlpPiecesFunction, ConvMlpFunction, NormMlpFunction, conv_mlp_inference,
-                                        conv_mlp_reference, mlp_inference, mlp_reference)
+from mmplugin_l2.models.ops import TRAIN, Path
+from mmplugin_l2.models.ops.mlp import (ConvMlpPiecesFunction, ConvMlpFunction, NormMlpFunction, conv_mlp,
+                                        conv_mlp_inference, conv_mlp_reference, mlp_inference, mlp_reference)
 from ops.harness import assert_matches_reference
 
 C, R = 5, 11      # odd widths: channels and hidden channels
@@ -140,11 +141,13 @@ def test_conv_mlp_layer_takes_the_train_functions():
 
 
 @pytest.mark.parametrize('keep_fc1', [True, False])
-def test_conv_mlp_function_keeps_input_and_fc1_output(keep_fc1, monkeypatch):
-    monkeypatch.setattr(ConvMlp, 'keep_fc1', keep_fc1)
+def test_conv_mlp_function_keeps_input_and_fc1_output(keep_fc1):
+    """The op's train path on the whole map keeps x and, with `keep_fc1` (the layer always keeps it), the fc1
+    output."""
     m = _layer(ConvMlp, max_elems=None).train()
     x = _x((6, 5))
-    y, saved = saved_for_backward(lambda: m(x, (6, 5)))
+    y, saved = saved_for_backward(lambda: conv_mlp(Path(TRAIN), x, (6, 5), m.fc1, m.dwc, m.fc2, m.act, m.drop,
+                                                   keep_fc1))
     assert _grad_fn(y) == 'ConvMlpFunctionBackward'
     assert nbytes(saved) - nbytes(list(m.parameters())) == 8 * 2 * 30 * (C + R * keep_fc1)
 

@@ -41,7 +41,6 @@ from mmengine.registry import MODELS
 from ..layers import (LCM, L2ViTDownsample, L2ViTStem, LinearAttention, Mlp, ResidualCPE, WindowAttention,
                       add_residual)
 from ..ops.export import stage_boundary
-from ..ops.memory import pre_norm
 from ..layers.mlp import norm_mlp_branch
 from ..layers.recompute import recomputed_branch as _branch
 from ..pyramid import PyramidBackbone, resolve_arch
@@ -96,7 +95,7 @@ class LGABlock(nn.Module):
     def forward(self, x, hw_shape):
         x = self.cpe[0](x, hw_shape)
         # the linear attention keeps only its q, k, v for backward (LinearAttentionCore): not recomputed
-        x = add_residual(self.drop_path(pre_norm(self.norm1, self.attn, x)), x)
+        x = add_residual(self.drop_path(self.attn(x, norm=self.norm1)), x)
         x = add_residual(self.drop_path(_branch(self, self.norm3, self.local_mp, x, hw_shape)), x)
         return add_residual(self.drop_path(norm_mlp_branch(self, self.norm2, self.mlp, x)), x)
 

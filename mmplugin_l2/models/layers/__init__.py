@@ -2,8 +2,8 @@
 
 Paper concepts: `ttt` (TTT layer and its inner models), `rope`, `cpe`, `lcm`, `linear_attention` (LGA),
 `window_attention` (LWA), `emsa`, `pa`, `stems` (stems and downsamplings of all three families), `mlp`.
-Mechanics: `memory` (the memory policy: pieces and recomputation), `recompute`, `bands`, `tokens`
-(token / map reshapes, padding), `conv`, `dtypes`, `export`.
+Mechanics: `recompute`, `tokens` (token / map reshapes, padding), `conv`. The ops behind the layers, their
+dispatch and the memory policy are under `models/ops/`.
 """
 from .conv import Conv2dCL, ConvLayer
 from .cpe import CPE, ResidualCPE

@@ -42,8 +42,6 @@ class LinearAttention(nn.Module):
 
     #: pieces of tokens x channels (the batch included) at inference
     memory_policy = DEFAULT_POLICY
-    #: `forward(x, norm=norm)` computes attn(norm(x)), the norm piece by piece at inference
-    fuses_norm = True
     #: training takes the closed-form backward (`LinearAttentionCore`: keeps only Q, K, v); False: autograd
     recompute = True
 

@@ -16,7 +16,8 @@ import torch.nn as nn
 from mmcv.cnn import build_activation_layer
 
 from ..ops import choose
-from ..ops.memory import DEFAULT_POLICY, pre_norm, recomputes
+from ..ops.dispatch import recomputes
+from ..ops.memory import DEFAULT_POLICY
 from ..ops.mlp import (ConvMlpPiecesFunction, ConvMlpFunction, NormMlpFunction, conv_mlp,  # noqa: F401
                        linear_into as _linear_into, mlp, norm_mlp_train, train_applies)
 from ..ops.mlp.pieces import gelu_
@@ -45,7 +46,6 @@ class Mlp(nn.Module):
 
     #: pieces of tokens x channels (the batch included) at inference
     memory_policy = DEFAULT_POLICY
-    fuses_norm = True
 
     def __init__(self, dim, hidden_dim, drop=0., recompute=False, act_cfg=dict(type='GELU')):
         super().__init__()
@@ -75,8 +75,6 @@ class ConvMlp(nn.Module):
 
     #: pieces of rows x width x channels (the batch included) at inference and in training
     memory_policy = DEFAULT_POLICY
-    #: with `recompute`: keep the fc1 output for backward too (no fc1 in backward)
-    keep_fc1 = True
 
     def __init__(self, dim, hidden_dim, drop=0., recompute=False, act_cfg=dict(type='GELU')):
         super().__init__()
@@ -89,18 +87,19 @@ class ConvMlp(nn.Module):
 
     def forward(self, x, hw_shape):
         return conv_mlp(choose(self, x, x.numel()), x, hw_shape, self.fc1, self.dwc, self.fc2, self.act,
-                        self.drop, self.keep_fc1)
+                        self.drop)
 
 
 def norm_mlp_branch(block, norm, mlp, x, recompute_otherwise=True):
-    """The pre-norm MLP branch mlp(norm(x)) of `block`. When the block recomputes (`memory.recomputes`), an
-    affine LayerNorm and an `Mlp` where `ops.mlp.train_applies` run `NormMlpFunction` (in pieces on the
-    policy's devices); otherwise the whole branch is recomputed in backward (`recompute.recomputed_branch`;
-    with `recompute_otherwise=False` plain autograd instead)."""
+    """The pre-norm MLP branch mlp(norm(x)) of `block` (an `Mlp`, which takes `norm=`). When the block
+    recomputes (`ops.dispatch.recomputes`), an affine LayerNorm and an `Mlp` where `ops.mlp.train_applies`
+    run `NormMlpFunction` (the piece from `ops.dispatch.choose` with the MLP's policy); otherwise the whole
+    branch is recomputed in backward (`recompute.recomputed_branch`; with `recompute_otherwise=False` plain
+    autograd instead)."""
     if not recomputes(block):
-        return pre_norm(norm, mlp, x)
+        return mlp(x, norm=norm)
     if (isinstance(norm, nn.LayerNorm) and norm.elementwise_affine and isinstance(mlp, Mlp)
             and train_applies(x, mlp.act, mlp.drop)):
-        piece = mlp.memory_policy.train_cache_pieces(x, x.numel())
-        return norm_mlp_train(x, norm, mlp.fc1, mlp.fc2, piece)
-    return recomputed_branch(block, norm, mlp, x) if recompute_otherwise else mlp(norm(x))
+        path = choose(block, x, x.numel(), policy=mlp.memory_policy)
+        return norm_mlp_train(x, norm, mlp.fc1, mlp.fc2, path.piece)
+    return recomputed_branch(block, norm, mlp, x) if recompute_otherwise else mlp(x, norm=norm)

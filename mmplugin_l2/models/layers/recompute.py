@@ -16,7 +16,7 @@ import torch
 import torch.utils.checkpoint as cp
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..ops.memory import pre_norm, recomputes
+from ..ops.dispatch import recomputes
 
 
 @contextlib.contextmanager
@@ -69,15 +69,16 @@ def checkpointed(fn, *args, enabled=True, module=None, keep_products=False):
 
 
 def recomputed(module, fn, x, *args):
-    """fn(x, *args), recomputed in backward when `module` recomputes (`memory.recomputes`: its `recompute`
+    """fn(x, *args), recomputed in backward when `module` recomputes (`ops.dispatch.recomputes`: its `recompute`
     switch, train mode, autograd recording) and x needs a gradient."""
     return checkpointed(fn, x, *args, enabled=recomputes(module) and x.requires_grad, module=module)
 
 
 def recomputed_branch(block, norm, module, x, *args, keep_products=False):
-    """A pre-norm residual branch `module(norm(x), *args)`, recomputed in backward when `block` recomputes:
+    """A pre-norm residual branch `module(x, *args, norm=norm)` (= module(norm(x), *args); `module` takes
+    `norm=`), recomputed in backward when `block` recomputes:
     only x (the residual stream, which autograd keeps anyway) is kept, the LayerNorm included in the
     recomputation; with `keep_products` also the outputs of its matrix products (see the module docstring)."""
     def branch(t, *a):
-        return pre_norm(norm, module, t, *a)
+        return module(t, *a, norm=norm)
     return checkpointed(branch, x, *args, enabled=recomputes(block), module=module, keep_products=keep_products)

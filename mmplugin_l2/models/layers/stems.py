@@ -7,31 +7,28 @@ says tokens.
   `L2ViTDownsample` (LayerNorm, 2x2 stride-2 conv; tokens in and out).
 * ResT: `ResTStem` (three convs, stride 4, PA) and `ResTPatchEmbed` (3x3 stride-2 conv, BN, PA).
 
-At inference on large images the H-ViT3 and L2ViT convolution chains run in bands of rows
-(`bands.conv_chain_in_bands`, same values), as the memory policy says (`memory.MemoryPolicy`; the piece is
-a band of the chain's widest intermediate).
+The H-ViT3 and L2ViT convolution chains are the op `ops.conv.conv_chain`: at inference on large images in
+bands of rows (same values), as `ops.dispatch.choose` and the memory policy say (the piece: a band of the
+chain's widest intermediate).
 """
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .bands import ConvBNAct, can_run_in_bands, conv_chain_in_bands
 from .conv import BatchNorm2d, ConvLayer
+from ..ops import choose
+from ..ops.conv import ConvBNAct, conv_chain
 from ..ops.export import exporting
 from ..ops.memory import DEFAULT_POLICY
 from .pa import PA
 from .tokens import map_to_tokens, pad_to_multiple, tokens_to_map
 
 
-def _conv_chain(module, layers, x, whole=None):
-    """The conv layers `layers` (ConvLayer / ConvBNAct) of `module` on x: band by band of rows when the
-    memory policy gives `module` pieces for (input pixels x the last layer's channels) elements and no
-    BatchNorm of the chain is in train mode; otherwise `whole` (default: `layers`, a Sequential) on the
-    whole map."""
-    piece = module.memory_policy.pieces(module, x, x[:, :1].numel() * layers[-1].conv.out_channels)
-    if piece is not None and can_run_in_bands(layers):
-        return conv_chain_in_bands(layers, x, piece)
-    return (layers if whole is None else whole)(x)
+def _conv_chain(module, layers, x):
+    """The conv layers `layers` (ConvLayer / ConvBNAct) of `module` on the map x (B, C, H, W), the path
+    chosen for (input pixels x the last layer's channels) elements."""
+    path = choose(module, x, x[:, :1].numel() * layers[-1].conv.out_channels, train=False)
+    return conv_chain(path, layers, x)
 
 
 # ---- H-ViT3 -------------------------------------------------------------------------------------
@@ -116,8 +113,7 @@ class ConvStem2L(nn.Module):
 
     def forward(self, x):
         p = self.proj
-        return _conv_chain(self, [ConvBNAct(p[0], p[1], p[2]), ConvBNAct(p[3], p[4])], pad_to_multiple(x, 4),
-                           whole=p)
+        return _conv_chain(self, [ConvBNAct(p[0], p[1], p[2]), ConvBNAct(p[3], p[4])], pad_to_multiple(x, 4))
 
 
 class L2ViTStem(nn.Module):

@@ -48,8 +48,6 @@ class WindowAttention(nn.Module):
 
     #: pieces of padded tokens x channels (the batch included) at inference: bands of window rows
     memory_policy = DEFAULT_POLICY
-    #: `forward(x, hw, norm=norm)` computes attn(norm(x), hw), the norm piece by piece at inference
-    fuses_norm = True
 
     def __init__(self, dim, num_heads, window_size=7, qkv_bias=True, mask_padding=False):
         super().__init__()

@@ -59,7 +59,7 @@ def stage_boundary():
 
 def eager_inference():
     """No autograd recorded and not exporting: a function (not a module) may use kernels that have no
-    autograd formula. Modules decide with `memory.inference(module)`, which also asks for eval mode."""
+    autograd formula. Modules decide with `dispatch.inference(module)`, which also asks for eval mode."""
     return not torch.is_grad_enabled() and not exporting()
 
 

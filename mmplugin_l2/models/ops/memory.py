@@ -16,15 +16,12 @@ EMSA) follows one `MemoryPolicy`, set for a whole backbone by its `memory_policy
   intermediates in cache and out of the peak memory; train pieces keep a training function's temporaries in
   cache instead of fresh map-sized tensors (on CPU each page of a fresh large tensor is zeroed by the kernel on
   first touch). Values are those of the whole map up to the summation order of sums over pieces.
-* The convolution chains (stems, downsamplings, LCM) ask `MemoryPolicy.pieces`, the same inference rule.
+* The mode conditions (`dispatch.inference`, `dispatch.recomputes`) and the piece rule (`dispatch.choose`)
+  are written once, in `ops/dispatch.py`; this module holds the policy's settings only.
 * On devices not in `devices` (CUDA by default) every layer works on whole maps, in training too: a GPU has no
   cache to keep pieces in and pays a kernel launch per piece. docs/memory_policy.md has the whole rule.
 """
 import contextlib
-
-import torch
-
-from .export import exporting
 
 
 class MemoryPolicy:
@@ -60,45 +57,12 @@ class MemoryPolicy:
             raise ValueError(f'memory_policy: unknown keys {sorted(unknown)}; allowed: max_elems, devices')
         return cls(**cfg)
 
-    def pieces(self, module, x, whole_elems):
-        """Elements per piece for `module`'s inference on `x`, or None for the whole map."""
-        return self.train_cache_pieces(x, whole_elems) if inference(module) else None
-
-    def train_cache_pieces(self, x, whole_elems):
-        """Elements per piece of a training function that runs in pieces to keep its temporaries in cache
-        (`mlp.NormMlpFunction`) on `x`'s device, or None for the whole map: the rule of `pieces` without its
-        inference condition (the caller decides that it is in training)."""
-        if self.max_elems is None or whole_elems <= 2 * self.max_elems or x.device.type not in self.devices:
-            return None
-        return self.max_elems
-
     def __repr__(self):
         return f'MemoryPolicy(max_elems={self.max_elems}, devices={self.devices})'
 
 
 #: the policy of a layer built on its own (a backbone sets its own on every layer)
 DEFAULT_POLICY = MemoryPolicy()
-
-
-def inference(module):
-    """The switch of every inference-only path (pieces, in-place kernels, the fused TTT pass): `module`
-    in eval mode, no autograd recording, not being exported."""
-    return not module.training and not torch.is_grad_enabled() and not exporting()
-
-
-def recomputes(module):
-    """A layer with `recompute=True` recomputes its intermediates in backward: train mode, autograd
-    recording, not being exported."""
-    return module.recompute and module.training and torch.is_grad_enabled() and not exporting()
-
-
-def pre_norm(norm, module, x, *args):
-    """A pre-norm branch `module(norm(x), *args)`. At inference (`inference`), a module that takes the norm
-    into its pieces (`fuses_norm`: it applies `norm` piece by piece, rows are independent, so the values are
-    the same) gets `module(x, *args, norm=norm)`: no map-sized LayerNorm output."""
-    if getattr(module, 'fuses_norm', False) and inference(module):
-        return module(x, *args, norm=norm)
-    return module(norm(x), *args)
 
 
 def set_memory_policy(model, policy):
