@@ -1,16 +1,137 @@
-"""The conv chain of L2ViT's LCM (DWConv -> GELU -> BN2d -> DWConv) at inference in pieces of rows against
-its reference (plain functional ops in float64), including an eval-mode model that holds a train-mode
-BatchNorm: the pieces would use the running statistics, so that case must give the batch-statistics output
-and update the running statistics exactly as the reference does."""
+"""`ops.conv`: the convolution chain in pieces (bands of output rows, halo rows recomputed) against its
+reference in float64 (odd sizes, batch 2, partial last band, stride-2 layers, channels-last and NCHW maps,
+a per-pixel `pre`), the op's dispatch (a train-mode BatchNorm inside an eval model and export take the
+reference), and the layers on it: L2ViT's LCM (DWConv -> GELU -> BN2d -> DWConv) against plain functional
+ops, the stems. A train-mode BatchNorm must give the batch-statistics output and update the running
+statistics exactly as the reference does."""
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mmplugin_l2.models.layers import LCM
+import mmplugin_l2.models.ops.conv as conv_op
+from mmplugin_l2.models.layers import LCM, Conv2dCL, ConvLayer, ConvStem
+from mmplugin_l2.models.ops import INFERENCE, Path
+from mmplugin_l2.models.ops.conv import ConvBNAct, conv_chain, conv_chain_in_pieces, conv_chain_reference
+from mmplugin_l2.models.ops.export import export_mode
 from mmplugin_l2.models.ops.memory import MemoryPolicy
+from ops.harness import assert_matches_reference
 
-C, K = 3, 3
+
+def _bn(c):
+    bn = nn.BatchNorm2d(c)
+    with torch.no_grad():
+        bn.weight.normal_(1, 0.3)
+        bn.bias.normal_(0, 0.3)
+        bn.running_mean.normal_(0, 0.3)
+        bn.running_var.uniform_(0.5, 2.0)
+    return bn.eval()
+
+
+def _chain(conv_cls=nn.Conv2d):
+    """3x3 s2 + BN + ReLU, depth-wise 5x5 + GELU then BN (act first), 3x3 s2 (no bias), 1x1 + BN: odd channels."""
+    torch.manual_seed(1)
+    layers = [ConvBNAct(conv_cls(3, 5, 3, stride=2, padding=1), _bn(5), nn.ReLU()),
+              ConvBNAct(conv_cls(5, 5, 5, padding=2, groups=5), _bn(5), F.gelu, act_first=True),
+              ConvBNAct(conv_cls(5, 7, 3, stride=2, padding=1, bias=False)),
+              ConvBNAct(conv_cls(7, 4, 1), _bn(4))]
+    for layer in layers:
+        layer.conv.double()
+        if layer.norm is not None:
+            layer.norm.double()
+    return layers
+
+
+def _pre(t):
+    """A per-pixel function of the map: tanh of a channel mix (independent of the position)."""
+    return torch.tanh(t * torch.arange(1, t.shape[1] + 1, dtype=t.dtype).view(1, -1, 1, 1) - t.mean(1, True))
+
+
+@pytest.mark.parametrize('hw', [(23, 9), (13, 17), (3, 5)])
+@pytest.mark.parametrize('rows', [1, 2, 5])
+@pytest.mark.parametrize('channels_last', [False, True])
+@pytest.mark.parametrize('pre', [None, _pre])
+def test_chain_in_pieces_matches_reference(hw, rows, channels_last, pre):
+    """Bands of `rows` output rows (partial last band), stride-2 layers, batch 2, odd sizes, float64."""
+    layers = _chain(Conv2dCL if channels_last else nn.Conv2d)
+    x = torch.randn(2, 3, *hw, dtype=torch.float64)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    width_out = (hw[1] + 3) // 4
+    piece = 2 * rows * max(4 * width_out * 7, 2 * width_out * 5, width_out * 5)   # the widest per output row
+    assert_matches_reference(lambda t: conv_chain_in_pieces(layers, t, piece, pre),
+                             lambda t: conv_chain_reference(layers, t, pre), [x], grads=False)
+    with torch.no_grad():
+        out = conv_chain_in_pieces(layers, x, piece, pre)
+    assert out.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+def test_chain_of_conv_layers_in_pieces():
+    """ConvLayer modules (the H-ViT3 stem's) in pieces = the modules called on the whole map."""
+    torch.manual_seed(2)
+    layers = nn.Sequential(ConvLayer(3, 6, 3, stride=2, padding=1, bias=False),
+                           ConvLayer(6, 6, 3, padding=1, groups=6), ConvLayer(6, 4, 1, act=None)).double()
+    for m in layers.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.normal_(0, 0.3)
+            m.running_var.uniform_(0.5, 2.0)
+    layers.eval()
+    x = torch.randn(2, 3, 19, 11, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(conv_chain(Path(INFERENCE, 50), layers, x), layers(x), rtol=1e-12, atol=1e-12)
+
+
+def test_chain_with_train_mode_batch_norm_takes_the_reference():
+    """Pieces would normalise with the running statistics: a train-mode BatchNorm in the chain (a user's eval
+    model that holds one) gets the batch statistics and one running-statistics update, as the reference."""
+    layers = _chain()
+    layers[3].norm.train()
+    x = torch.randn(2, 3, 21, 10, dtype=torch.float64)
+    bn = layers[3].norm
+    state = {k: v.clone() for k, v in bn.state_dict().items()}
+    with torch.no_grad():
+        ref = conv_chain_reference(layers, x)
+        expected = {k: v.clone() for k, v in bn.state_dict().items()}
+        bn.load_state_dict(state)
+        out = conv_chain(Path(INFERENCE, 8), layers, x)
+        bn.eval()
+        running = conv_chain_reference(layers, x)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(out, running, atol=1e-6)
+    for k, v in bn.state_dict().items():
+        torch.testing.assert_close(v, expected[k], rtol=1e-12, atol=1e-14)
+    assert bn.num_batches_tracked.item() == 1
+
+
+def test_stem_dispatch_train_mode_batch_norm_and_export(monkeypatch):
+    """The H-ViT3 stem in an eval model with one train-mode BatchNorm, pieces forced: the batch statistics
+    (the reference); under export the reference too (no bands)."""
+    torch.manual_seed(0)
+    stem = ConvStem(3, 8).double().eval()
+    stem.memory_policy = MemoryPolicy(max_elems=1)
+    x = torch.randn(2, 3, 17, 13, dtype=torch.float64)
+    calls = []
+
+    def recording(*a, **k):
+        calls.append(1)
+        return conv_chain_in_pieces(*a, **k)
+    monkeypatch.setattr(conv_op, 'conv_chain_in_pieces', recording)
+    with torch.no_grad():
+        eval_out = stem(x)
+        assert calls, 'pieces did not run'
+        calls.clear()
+        with export_mode():
+            exported = stem(x)
+        assert not calls
+        stem.conv[1].norm.train()
+        out = stem(x)
+        assert not calls
+        ref = stem.conv(F.pad(x, (0, 3, 0, 3)))
+    torch.testing.assert_close(exported, eval_out, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(out, eval_out, atol=1e-6)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+C, K = 3, 3     # the LCM tests
 
 
 def _lcm(seed=0):
