@@ -366,7 +366,7 @@ def test_roofline_layers_partition_the_model_and_account_for_its_macs():
 
 
 def test_roofline_times_a_layer_run_inside_another_once():
-    """With pieces forced, L2ViT's pre-norms run inside the attention / MLP pieces (`ops.memory.pre_norm`):
+    """With pieces forced, L2ViT's pre-norms run inside the attention / MLP pieces (passed as `norm=`):
     their time is counted as the outer layer's, never twice, so the layers' seconds stay within the forward's."""
     from conftest import TINY_L2VIT
     from mmplugin_l2.analysis import roofline as rl
