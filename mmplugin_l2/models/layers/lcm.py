@@ -43,7 +43,11 @@ class LCM(nn.Module):
         # channels-last on the token map throughout (Conv2dCL kernels, no NCHW copies)
         act = partial(gelu, inplace=path.impl == INFERENCE)
         layers = (ConvBNAct(self.conv1, self.bn, act, act_first=True), ConvBNAct(self.conv2))
-        pre = None if norm is None else partial(_norm_map, norm)
+        pre = None
+        if norm is not None and path.impl == INFERENCE and path.piece is not None:
+            pre = partial(_norm_map, norm)      # band by band of rows, inside the op
+        elif norm is not None:
+            x = norm(x)                         # on the tokens (B, N, C), as the block would
         return map_to_tokens(conv_chain(path, layers, tokens_to_map(x, hw_shape), pre))
 
 
