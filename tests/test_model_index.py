@@ -1,7 +1,9 @@
 """model-index.yml and configs/*/metafile.yml (OpenMMLab's format, read by `mim search` and mmengine's
 `mmplugin_l2::` config lookup): every entry against its config file — the config exists, every config is listed
 exactly once, its parameter count equals the model built from the config, the results are marked as the authors'
-numbers — and the index is installed with the package (mmplugin_l2/.mim)."""
+numbers — every entry has Parameters and FLOPs as `tools/analysis/get_flops.py --update-metafile` writes them (the
+cheapest recounted here), the family pages' model-zoo tables show them, and the index is installed with the package
+(mmplugin_l2/.mim)."""
 import copy
 import glob
 import os.path as osp
