@@ -395,6 +395,8 @@ def test_merge_pools_runs_and_render_names_each(tmp_path):
     md = bm.render(m)
     assert 'Run 1: None, commit `aaa`' in md and 'Run 2: None, commit `bbb`' in md
     assert '| ViT3-T | 1 | 20 (10–30) | – |' in md          # the two runs' samples pooled
+    assert bm.plot_title(m).startswith('SMOKE RUN') and 'cpu' in bm.plot_title(m)   # the first run's device
+    assert 'cpu' in bm.plot_title(a) and 'None' not in bm.plot_title(dict(a, env=dict(a['env'], cpu='X', torch='2')))
     with pytest.raises(ValueError, match='run 1 is not a results file'):
         bm.merge([a, dict(samples=[])])
     for name, obj in (('a.json', a), ('b.json', b)):

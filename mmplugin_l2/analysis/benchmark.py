@@ -475,6 +475,13 @@ def replace_section(doc, section):
     return head + BEGIN + '\n' + section + END + rest.split(END, 1)[1]
 
 
+def plot_title(results):
+    """The plot's title: device and torch of the run (of a merged file's first run)."""
+    env = results.get('env') or (results.get('runs') or [{}])[0].get('env', {})
+    return (('SMOKE RUN (meaningless figures) - ' if results.get('smoke') else '')
+            + f'{env.get("device")} ({env.get("cpu") or env.get("gpu")}) - batch 1 - torch {env.get("torch")}')
+
+
 def plot(results, path):
     """Speed and training memory vs resolution of the PAIRS' models (batch 1): log-log, one line per model."""
     import matplotlib
@@ -502,9 +509,7 @@ def plot(results, path):
         ax.set_title(title)
         ax.grid(True, which='both', alpha=.3)
         ax.legend(fontsize=7)
-    env = results.get('env', {})
-    fig.suptitle(('SMOKE RUN (meaningless figures) - ' if results.get('smoke') else '')
-                 + f'{env.get("device")} - batch 1 - torch {env.get("torch")}', fontsize=9)
+    fig.suptitle(plot_title(results), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100, metadata={'Software': None})
     plt.close(fig)
