@@ -13,6 +13,8 @@ gives NCHW. A BatchNorm of the chain must use its running statistics (`conv_chai
 import torch
 import torch.nn.functional as F
 
+from .reference import norm_act
+
 
 def _channels_last(x):
     return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
@@ -32,11 +34,7 @@ def _layer_rows(layer, x, top, bottom, kernel_cl):
         x = F.pad(x, (0, 0, top, bottom))
     weight = conv.weight.to(memory_format=torch.channels_last) if isinstance(conv, kernel_cl) else conv.weight
     x = F.conv2d(x, weight, conv.bias, conv.stride, (0, conv.padding[1]), conv.dilation, conv.groups)
-    steps = (layer.act, layer.norm) if getattr(layer, 'act_first', False) else (layer.norm, layer.act)
-    for f in steps:
-        if f is not None:
-            x = f(x)
-    return x
+    return norm_act(layer, x)
 
 
 def conv_chain_in_pieces(layers, x, piece, pre=None):

@@ -24,16 +24,21 @@ class ConvBNAct(NamedTuple):
     act_first: bool = False
 
 
-def conv_layer(layer, x):
-    """One layer of a chain on the map x (B, C, H, W): its conv, then norm and act in the layer's order."""
-    if isinstance(layer, nn.Module):
-        return layer(x)
-    x = layer.conv(x)
-    steps = (layer.act, layer.norm) if layer.act_first else (layer.norm, layer.act)
+def norm_act(layer, x):
+    """The norm and the activation of `layer` (a `ConvLayer` or `ConvBNAct`) on its conv output x, in the
+    layer's order (`act_first`)."""
+    steps = (layer.act, layer.norm) if getattr(layer, 'act_first', False) else (layer.norm, layer.act)
     for f in steps:
         if f is not None:
             x = f(x)
     return x
+
+
+def conv_layer(layer, x):
+    """One layer of a chain on the map x (B, C, H, W): its conv, then norm and act in the layer's order."""
+    if isinstance(layer, nn.Module):
+        return layer(x)
+    return norm_act(layer, layer.conv(x))
 
 
 def conv_chain_reference(layers, x, pre=None):
