@@ -1,5 +1,6 @@
 """Loading the authors' checkpoints (init_cfg=Pretrained, tools/convert_checkpoint.py) and the weights_only
 allow-list for mmengine's own checkpoints."""
+import logging
 import subprocess
 import sys
 import types
@@ -96,6 +97,51 @@ def test_pretrained_wrong_size_lists_keys(authors_file, tmp_path):
     with pytest.raises(ValueError, match=r'unexpected keys: something\.else[\s\S]*shape mismatches: '
                                          r'layers\.0\.blocks\.0\.attn\.w1'):
         m.init_weights()
+
+
+class _Records(logging.Handler):
+    """Collects the messages of MMEngine's current logger (what init_weights reports)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_pretrained_non_strict_skips_a_wrong_size_tensor(authors_file, tmp_path):
+    """strict=False with a tensor of the wrong size and a key the model lacks: the wrong-size tensor is not
+    loaded (the model keeps its own value), everything else that fits is, and one warning names both."""
+    from mmengine.logging import MMLogger
+    src, sd, _ = authors_file
+    wrong = 'layers.0.blocks.0.attn.qkv.weight'
+    assert wrong in sd, sorted(sd)[:20]
+    bad = dict(sd)
+    bad[wrong] = torch.randn(sd[wrong].shape[0] + 3, sd[wrong].shape[1])
+    bad['extra.weight'] = torch.zeros(3)
+    path = tmp_path / 'wrong_size.pth'
+    torch.save({'model': bad}, path)
+    m = HViT3(arch=TINY_HVIT3, init_cfg=dict(type='Pretrained', checkpoint=str(path), strict=False))
+    before = m.state_dict()[wrong].clone()
+    logger, handler = MMLogger.get_current_instance(), _Records()
+    logger.addHandler(handler)
+    try:
+        m.init_weights()
+    finally:
+        logger.removeHandler(handler)
+    own = m.state_dict()
+    assert torch.equal(own[wrong], before) and not torch.equal(own[wrong][:before.shape[0]], bad[wrong][:before.shape[0]])
+    for k, v in src.state_dict().items():
+        if k != wrong and not k.startswith('norm'):
+            assert torch.equal(own[k], v), k
+    warnings_ = [r.getMessage() for r in handler.records if r.levelno == logging.WARNING]
+    assert len(warnings_) == 1, [r.getMessage() for r in handler.records]
+    msg = warnings_[0]
+    shape = tuple(bad[wrong].shape), tuple(before.shape)
+    assert f'1 shape mismatches: {wrong}: checkpoint {shape[0]} vs model {shape[1]}' in msg, msg
+    assert '1 unexpected keys: extra.weight' in msg and 'missing keys' not in msg, msg
+    assert 'strict=False: loading the keys that fit, the others keep their initialisation.' in msg, msg
 
 
 def test_pretrained_missing_file():

@@ -2,6 +2,7 @@
 place, the demo configs runnable by the libraries' stock tools on a CPU, and the Slurm scripts."""
 import os
 import os.path as osp
+import site
 import subprocess
 import sys
 
@@ -105,18 +106,31 @@ def _copy_tracked_files(dst):
             shutil.copy2(osp.join(ROOT, rel), osp.join(dst, rel))
 
 
+def venv_over_this_environment(venv):
+    """A scratch venv (python, env) that sees this environment's packages after its own, as `--system-site-packages`
+    would, also when this python is itself a venv (whose `--system-site-packages` child would see the base
+    interpreter's site, not this environment's): a .pth adds each of our site folders with site.addsitedir, so
+    their own .pth files (our development install) apply too, after the venv's own (.pth files run in name order)."""
+    subprocess.run([sys.executable, '-m', 'venv', str(venv)], check=True)
+    py = str(venv / 'bin' / 'python')
+    own = subprocess.run([py, '-c', 'import sysconfig; print(sysconfig.get_paths()["purelib"])'], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    with open(osp.join(own, 'zz_outer_environment.pth'), 'w') as f:
+        f.write(''.join(f'import site; site.addsitedir({d!r})\n' for d in site.getsitepackages()))
+    env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'VIRTUAL_ENV')}
+    env['PATH'] = f'{venv / "bin"}:{env["PATH"]}'
+    return py, env
+
+
 @pytest.mark.parametrize('setuptools_spec', ['setuptools', 'setuptools>=82'])
 def test_install_script_gives_mim_and_base_configs(tmp_path, setuptools_spec):
-    """tools/install.sh in a scratch venv (the stack from the system site, so only our install step is new), on a
+    """tools/install.sh in a scratch venv (the stack from this environment, so only our install step is new), on a
     copy of the repository, starting from the setuptools pip resolves and from the newest one (which has no
     pkg_resources, needed by mim and mmengine): afterwards `mim search`, `_base_ = 'mmplugin_l2::...'` from a user
     folder and `mim train mmplugin_l2 CONFIG` all find the copy's configs and tools."""
     repo, venv, user = tmp_path / 'repo', tmp_path / 'venv', tmp_path / 'user'
     _copy_tracked_files(repo)
-    subprocess.run([sys.executable, '-m', 'venv', '--system-site-packages', str(venv)], check=True)
-    py = str(venv / 'bin' / 'python')
-    env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'VIRTUAL_ENV')}
-    env['PATH'] = f'{venv / "bin"}:{env["PATH"]}'
+    py, env = venv_over_this_environment(venv)
     subprocess.run([py, '-m', 'pip', 'install', '-q', '-U', setuptools_spec], check=True, env=env, timeout=300)
     r = subprocess.run(['bash', str(repo / 'tools' / 'install.sh'), '--force'], env=dict(env, PYTHON=py),
                        capture_output=True, text=True, timeout=900)
@@ -149,10 +163,8 @@ def test_install_script_moves_the_install_to_another_clone(tmp_path):
     easy-install.pth (pip leaves a development install outside the environment's prefix alone), so both
     `import mmplugin_l2` and mim find the second one."""
     venv = tmp_path / 'venv'
-    subprocess.run([sys.executable, '-m', 'venv', '--system-site-packages', str(venv)], check=True)
-    py = str(venv / 'bin' / 'python')
-    env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'VIRTUAL_ENV')}
-    env.update(PATH=f'{venv / "bin"}:{env["PATH"]}', PYTHON=py)
+    py, env = venv_over_this_environment(venv)
+    env['PYTHON'] = py
     for name in ('first', 'second'):
         _copy_tracked_files(tmp_path / name)
         r = subprocess.run(['bash', str(tmp_path / name / 'tools' / 'install.sh')], env=env, capture_output=True,

@@ -6,11 +6,11 @@
 #
 #   torch 2.14.1 / torchvision 0.29.1 (a torch you already have is kept), mmengine 0.10.7,
 #   mmcv 2.1.0 with compiled ops, mmdet 3.3.0, mmsegmentation 1.2.2, mmpretrain 1.2.0, pycocotools,
-#   onnx / onnxruntime / onnxscript (ONNX export), openmim, pytest, pyyaml; then this checkout as a development
+#   onnx / onnxruntime / onnxscript (ONNX export), openmim, grad-cam, timm, pytest, pyyaml; then this checkout as a development
 #   install that `mim search / train / test mmplugin_l2` and `_base_ = 'mmplugin_l2::...'` find.
 #
 # "Installed" (checked in a few seconds, then nothing is done; --force reinstalls): mmdet, mmseg, mmpretrain,
-# mmcv 2.1.0 with mmcv.ops, onnxruntime, pycocotools, mim and pytest import, `import mmplugin_l2` finds
+# mmcv 2.1.0 with mmcv.ops, onnxruntime, pycocotools, mim, pytest, grad-cam and timm import, `import mmplugin_l2` finds
 # this checkout (not another copy) and so does mim (the distribution's location). tools/demo.sh and
 # tools/run_tests.sh call this script first.
 #
@@ -28,7 +28,7 @@ stack_installed() {
   # run outside the checkout, so that `import mmplugin_l2` cannot succeed just because it is the cwd
   (cd / && "$PY" - "$here" <<'PY' 2>/dev/null
 import os.path as osp, sys
-import mmcv, mmcv.ops, mmdet, mmseg, mmpretrain, onnxruntime, pycocotools, mim, pytest, pytorch_grad_cam  # noqa: F401
+import mmcv, mmcv.ops, mmdet, mmseg, mmpretrain, onnxruntime, pycocotools, mim, pytest, pytorch_grad_cam, timm  # noqa: F401
 import mmplugin_l2
 assert mmcv.__version__ == '2.1.0', mmcv.__version__
 assert osp.samefile(osp.dirname(mmplugin_l2.__file__), osp.join(sys.argv[1], 'mmplugin_l2'))
@@ -77,6 +77,9 @@ echo "[install 3/3] mmdet, mmseg, mmpretrain, onnx, openmim and mmplugin_l2 (dev
 "$PY" -m pip install onnx onnxruntime onnxscript openmim
 # Grad-CAM (docs/visualization.md): mmpretrain's tools/visualization/vis_cam.py needs grad-cam < 1.5
 "$PY" -m pip install 'grad-cam>=1.3.6,<1.5'
+# timm: the authors' backbone files import it (--authors-code), and the device check takes Swin-T from it where
+# mmdet is missing (the GPU machine's image has timm; tests/test_device_check.py rehearses that machine)
+"$PY" -m pip install 'timm==1.0.31'
 # mmplugin_l2 itself, as a development install that mim and mmengine can find: the distribution's metadata
 # (mmplugin_l2.egg-info, from `setup.py egg_info`) lives in the checkout, site-packages holds an egg-link to it
 # and the checkout on sys.path (easy-install.pth), and mmplugin_l2/.mim links configs/, tools/ and
