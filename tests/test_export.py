@@ -1,4 +1,4 @@
-"""Export mode (mmplugin_l2/models/layers/export.py, docs/deployment.md): while exporting every layer takes
+"""Export mode (mmplugin_l2/models/ops/export.py, docs/deployment.md): while exporting every layer takes
 its plain formulation (whole maps, out-of-place ops, real-valued RoPE, branch-free padding). It computes
 the same function as the eager inference fast paths (checked here with those paths forced on by tiny
 chunk / band sizes, odd sizes so that padding and partial chunks occur), and it leaves PyTorch: torch.export

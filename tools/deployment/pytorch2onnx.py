@@ -8,7 +8,7 @@ What is exported (input: the image batch after the config's data preprocessor, i
 * an mmseg segmentor: `encode_decode`, the segmentation logits at the input size (B, classes, H, W);
 * an mmdet detector: backbone + neck, the FPN maps (its RPN / RoI heads stay in PyTorch; see docs/deployment.md);
 * `--backbone-only`: the backbone's pyramid maps.
-The model runs in export mode (mmplugin_l2/models/layers/export.py): every layer's plain formulation, the same
+The model runs in export mode (mmplugin_l2/models/ops/export.py): every layer's plain formulation, the same
 function as eager inference. `--dynamic`: one graph for every batch size, height and width (the TorchScript-based
 exporter, `export_onnx`); without it the graph is fixed to --batch x --shape (the dynamo exporter).
 `--verify` runs ONNX Runtime on fresh random inputs (the export size; with --dynamic also three other sizes, odd

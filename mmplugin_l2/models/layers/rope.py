@@ -23,7 +23,7 @@ def _angles(n, theta):
 
 def rope_tables(h, w, c, device=None, base=10000):
     """Complex rotation table cos + i*sin of shape (h*w, c/2), complex64, never requiring grad. While
-    exporting (`layers/export.py`) the real pair (cos, sin), each (h*w, c/2) fp32: ONNX has no complex
+    exporting (`ops/export.py`) the real pair (cos, sin), each (h*w, c/2) fp32: ONNX has no complex
     tensors."""
     if c % 4:
         raise ValueError(f'2-D RoPE needs a channel count divisible by 4, got {c}')

@@ -123,7 +123,7 @@ class ConvMlpFunction(torch.autograd.Function):
 
 class ConvMlpPiecesFunction(torch.autograd.Function):
     """`ConvMlpFunction` with `keep_fc1`, piece by piece of `rows` map rows (the memory policy's training
-    pieces on CPU, `memory.MemoryPolicy.train_cache_pieces`): fc1 runs on the whole map (its output h is
+    pieces on the policy's devices, as `ops.dispatch.choose` picks them): fc1 runs on the whole map (its output h is
     kept), everything after it per piece with one halo row above and below for the 3x3 conv, so GELU(h), the
     conv output, the second GELU and, in backward, their gradients are piece-sized temporaries in cache.
     Backward collects d(GELU1 output) over the pieces in one (B, H, W, rC) buffer (a piece's conv gradient
