@@ -1,8 +1,13 @@
-"""What every op test checks: a fast implementation against the op's reference, values and gradients.
+"""What every op test checks: an implementation of the op against its oracle, values and gradients.
 
-`assert_matches_reference(fast, reference, inputs)` runs both on the same float64 inputs (fresh leaf copies,
-so their gradients are independent), compares the outputs and, when any input requires a gradient, the
-gradients of a random projection of the output with respect to every such input.
+The oracle of an op is its naive form, `ops/<op>/naive.py` (the paper's formula, plain autograd): the
+reference and every fast path are compared with it by `assert_matches_naive(impl, naive, inputs)`.
+`assert_matches_reference` is the same check with the op's reference as the oracle (e.g. a device's fast path
+against the reference on the same device); `assert_matches` with any other oracle (a kernel against a loop).
+
+Both run the two functions on the same float64 inputs (fresh leaf copies, so their gradients are
+independent), compare the outputs and, when any input requires a gradient, the gradients of a random
+projection of the output with respect to every such input.
 """
 import torch
 
@@ -26,16 +31,26 @@ def run_with_grads(fn, inputs, cotangent=None):
     return out.detach(), [torch.zeros_like(t) if gr is None else gr for t, gr in zip(wrt, grads)]
 
 
-def assert_matches_reference(fast, reference, inputs, rtol=1e-10, atol=1e-12, grads=True):
-    """`fast(*inputs)` equals `reference(*inputs)` (and so do the gradients with `grads`), float64 tolerances
-    by default."""
+def assert_matches(impl, oracle, inputs, rtol=1e-10, atol=1e-12, grads=True):
+    """`impl(*inputs)` equals `oracle(*inputs)` (and so do the gradients with `grads`; without, both run
+    under no_grad), float64 tolerances by default."""
     if grads:
-        out_f, g_f = run_with_grads(fast, inputs)
-        out_r, g_r = run_with_grads(reference, inputs)
+        out_i, g_i = run_with_grads(impl, inputs)
+        out_o, g_o = run_with_grads(oracle, inputs)
     else:
         with torch.no_grad():
-            out_f, out_r = fast(*leaf_copies(inputs)), reference(*leaf_copies(inputs))
-        g_f = g_r = []
-    torch.testing.assert_close(out_f, out_r, rtol=rtol, atol=atol, msg=lambda m: f'output: {m}')
-    for i, (a, b) in enumerate(zip(g_f, g_r)):
+            out_i, out_o = impl(*leaf_copies(inputs)), oracle(*leaf_copies(inputs))
+        g_i = g_o = []
+    torch.testing.assert_close(out_i, out_o, rtol=rtol, atol=atol, msg=lambda m: f'output: {m}')
+    for i, (a, b) in enumerate(zip(g_i, g_o)):
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, i=i: f'gradient {i}: {m}')
+
+
+def assert_matches_naive(impl, naive, inputs, rtol=1e-10, atol=1e-12, grads=True):
+    """`impl` (the reference or a fast path of an op) against the op's naive form: `assert_matches`."""
+    assert_matches(impl, naive, inputs, rtol, atol, grads)
+
+
+def assert_matches_reference(fast, reference, inputs, rtol=1e-10, atol=1e-12, grads=True):
+    """`fast` against the op's reference: `assert_matches`."""
+    assert_matches(fast, reference, inputs, rtol, atol, grads)

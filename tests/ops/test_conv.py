@@ -1,9 +1,12 @@
-"""`ops.conv`: the convolution chain in pieces (bands of output rows, halo rows recomputed) against its
-reference in float64 (odd sizes, batch 2, partial last band, stride-2 layers, channels-last and NCHW maps,
-a per-pixel `pre`), the op's dispatch (a train-mode BatchNorm inside an eval model and export take the
-reference), and the layers on it: L2ViT's LCM (DWConv -> GELU -> BN2d -> DWConv) against plain functional
-ops, the stems. A train-mode BatchNorm must give the batch-statistics output and update the running
-statistics exactly as the reference does."""
+"""`ops.conv`: the convolution chain's reference (the layers called in turn) and its pieces (bands of output
+rows, halo rows recomputed) against the naive form (F.conv2d and the BN formula) in float64 (odd sizes,
+batch 2, partial last band, stride-2 layers, channels-last and NCHW maps, a per-pixel `pre`), the op's
+dispatch (a train-mode BatchNorm inside an eval model and export take the reference), and the layers on it:
+L2ViT's LCM (DWConv -> GELU -> BN2d -> DWConv) against its naive form (the paper's Eqs. 6-7), the stems. A
+train-mode BatchNorm must give the batch-statistics output and update the running statistics exactly as the
+reference does."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -15,7 +18,8 @@ from mmplugin_l2.models.ops import INFERENCE, Path
 from mmplugin_l2.models.ops.conv import ConvBNAct, conv_chain, conv_chain_in_pieces, conv_chain_reference
 from mmplugin_l2.models.ops.export import export_mode
 from mmplugin_l2.models.ops.memory import MemoryPolicy
-from ops.harness import assert_matches_reference
+from mmplugin_l2.models.ops.conv.naive import conv_chain_naive, lcm_naive
+from ops.harness import assert_matches_naive
 
 
 def _bn(c):
@@ -47,11 +51,24 @@ def _pre(t):
     return torch.tanh(t * torch.arange(1, t.shape[1] + 1, dtype=t.dtype).view(1, -1, 1, 1) - t.mean(1, True))
 
 
+@pytest.mark.parametrize('train_bn', [False, True])
+def test_reference_matches_naive(train_bn):
+    """The layers called one after the other = the chain written with F.conv2d and the BN formula (running
+    statistics; with a train-mode BN the batch's): values and gradients of the map, NCHW and channels-last
+    kernels, a per-pixel `pre`."""
+    for conv_cls in (nn.Conv2d, Conv2dCL):
+        layers = _chain(conv_cls)
+        layers[1].norm.train(train_bn)
+        x = torch.randn(2, 3, 13, 17, dtype=torch.float64, requires_grad=True)
+        assert_matches_naive(lambda t: conv_chain_reference(layers, t, _pre),
+                             lambda t: conv_chain_naive(layers, t, _pre), [x])
+
+
 @pytest.mark.parametrize('hw', [(23, 9), (13, 17), (3, 5)])
 @pytest.mark.parametrize('rows', [1, 2, 5])
 @pytest.mark.parametrize('channels_last', [False, True])
 @pytest.mark.parametrize('pre', [None, _pre])
-def test_chain_in_pieces_matches_reference(hw, rows, channels_last, pre):
+def test_chain_in_pieces_matches_naive(hw, rows, channels_last, pre):
     """Bands of `rows` output rows (partial last band), stride-2 layers, batch 2, odd sizes, float64."""
     layers = _chain(Conv2dCL if channels_last else nn.Conv2d)
     x = torch.randn(2, 3, *hw, dtype=torch.float64)
@@ -59,15 +76,15 @@ def test_chain_in_pieces_matches_reference(hw, rows, channels_last, pre):
         x = x.contiguous(memory_format=torch.channels_last)
     width_out = (hw[1] + 3) // 4
     piece = 2 * rows * max(4 * width_out * 7, 2 * width_out * 5, width_out * 5)   # the widest per output row
-    assert_matches_reference(lambda t: conv_chain_in_pieces(layers, t, piece, pre),
-                             lambda t: conv_chain_reference(layers, t, pre), [x], grads=False)
+    assert_matches_naive(lambda t: conv_chain_in_pieces(layers, t, piece, pre),
+                         lambda t: conv_chain_naive(layers, t, pre), [x], grads=False)
     with torch.no_grad():
         out = conv_chain_in_pieces(layers, x, piece, pre)
     assert out.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
 def test_chain_of_conv_layers_in_pieces():
-    """ConvLayer modules (the H-ViT3 stem's) in pieces = the modules called on the whole map."""
+    """ConvLayer modules (the H-ViT3 stem's) in pieces = the naive chain on the whole map."""
     torch.manual_seed(2)
     layers = nn.Sequential(ConvLayer(3, 6, 3, stride=2, padding=1, bias=False),
                            ConvLayer(6, 6, 3, padding=1, groups=6), ConvLayer(6, 4, 1, act=None)).double()
@@ -78,7 +95,8 @@ def test_chain_of_conv_layers_in_pieces():
     layers.eval()
     x = torch.randn(2, 3, 19, 11, dtype=torch.float64)
     with torch.no_grad():
-        torch.testing.assert_close(conv_chain(Path(INFERENCE, 50), layers, x), layers(x), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(conv_chain(Path(INFERENCE, 50), layers, x), conv_chain_naive(layers, x), rtol=1e-12,
+                                   atol=1e-12)
 
 
 def test_chain_with_train_mode_batch_norm_takes_the_reference():
@@ -145,54 +163,47 @@ def _lcm(seed=0):
     return m
 
 
-def _reference(m, x, hw, norm=None, batch_stats=False, running=None):
-    """LCM(norm(x)) with F.conv2d / F.gelu / F.batch_norm on NCHW maps; `running` (mean, var) are updated
-    in place when `batch_stats`."""
-    b, n, c = x.shape
-    if norm is not None:
-        x = norm(x)
-    t = x.transpose(1, 2).reshape(b, c, *hw)
-    pad = K // 2
-    t = F.gelu(F.conv2d(t, m.conv1.weight, m.conv1.bias, padding=pad, groups=c))
-    mean, var = running if running is not None else (m.bn.running_mean.clone(), m.bn.running_var.clone())
-    t = F.batch_norm(t, mean, var, m.bn.weight, m.bn.bias, training=batch_stats, momentum=m.bn.momentum,
-                     eps=m.bn.eps)
-    t = F.conv2d(t, m.conv2.weight, m.conv2.bias, padding=pad, groups=c)
-    return t.flatten(2).transpose(1, 2)
+def _naive(m, x, hw, norm=None):
+    return lcm_naive(x, hw, m.conv1, m.bn, m.conv2, norm)
 
 
 @pytest.mark.parametrize('hw', [(7, 5), (4, 9)])
 @pytest.mark.parametrize('with_norm', [False, True])
-def test_lcm_inference_in_pieces_matches_reference(hw, with_norm):
+def test_lcm_inference_in_pieces_matches_naive(hw, with_norm):
     m = _lcm().eval()
     m.memory_policy = MemoryPolicy(max_elems=2 * hw[1] * C, devices=('cpu',))   # a partial last piece
     norm = nn.LayerNorm(C).double() if with_norm else None
     x = torch.randn(2, hw[0] * hw[1], C, dtype=torch.float64)
     with torch.no_grad():
         out = m(x, hw, norm=norm)
-        ref = _reference(m, x, hw, norm)
+        ref = _naive(m, x, hw, norm)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
 
 
 def test_lcm_eval_model_with_train_mode_bn_uses_batch_statistics():
+    """Pieces forced: the batch statistics (the naive form with a train-mode BN) and one running-statistics
+    update, the whole-map reference's."""
     hw = (7, 5)
     m = _lcm().eval()
     m.bn.train()      # a user's eval-mode model that holds a train-mode BatchNorm
+    whole = copy.deepcopy(m)
     m.memory_policy = MemoryPolicy(max_elems=2 * hw[1] * C, devices=('cpu',))   # pieces forced
     x = torch.randn(2, hw[0] * hw[1], C, dtype=torch.float64)
-    running = (m.bn.running_mean.clone(), m.bn.running_var.clone())
     with torch.no_grad():
-        ref = _reference(m, x, hw, batch_stats=True, running=running)
+        ref = _naive(m, x, hw)
+        m.bn.eval()
+        eval_ref = _naive(m, x, hw)       # the running statistics (before the update): must differ
+        m.bn.train()
         out = m(x, hw)
-        eval_ref = _reference(m, x, hw)       # the running statistics (before the update): must differ
+        whole(x, hw)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     assert not torch.allclose(out, eval_ref, atol=1e-6)
-    torch.testing.assert_close(m.bn.running_mean, running[0], rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(m.bn.running_var, running[1], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(m.bn.running_mean, whole.bn.running_mean, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(m.bn.running_var, whole.bn.running_var, rtol=1e-12, atol=1e-14)
     assert m.bn.num_batches_tracked.item() == 1
 
 
-def test_lcm_eval_with_grad_matches_reference():
+def test_lcm_eval_with_grad_matches_naive():
     hw = (5, 6)
     m = _lcm().eval()
     m.memory_policy = MemoryPolicy(max_elems=2 * hw[1] * C, devices=('cpu',))
@@ -200,7 +211,7 @@ def test_lcm_eval_with_grad_matches_reference():
     x2 = x.detach().clone().requires_grad_()
     g = torch.randn(2, hw[0] * hw[1], C, dtype=torch.float64)
     (m(x, hw) * g).sum().backward()
-    (_reference(m, x2, hw) * g).sum().backward()
+    (_naive(m, x2, hw) * g).sum().backward()
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-12, atol=1e-12)
 
 
@@ -211,7 +222,7 @@ def test_lcm_pieces_under_autocast(dtype):
     m.memory_policy = MemoryPolicy(max_elems=2 * hw[1] * C, devices=('cpu',))
     x = torch.randn(2, hw[0] * hw[1], C)
     with torch.no_grad():
-        ref = _reference(m, x, hw)
+        ref = _naive(m, x, hw)
         with torch.autocast('cpu', dtype=dtype):
             out = m(x, hw)
     torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05)

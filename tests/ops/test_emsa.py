@@ -1,5 +1,6 @@
-"""`ops.emsa`: ResT's EMSA attention A @ v, its inference pieces and its train function against the reference
-(`naive_emsa_attention`), the dispatch of the `EMSA` layer, and the overflow guard of large logits."""
+"""`ops.emsa`: ResT's EMSA attention A @ v, its reference (`naive_emsa_attention`, well-conditioned), inference
+pieces and train function against the naive form (`naive.emsa_attention_naive`, the paper's Eq. 4), the
+dispatch of the `EMSA` layer, and the overflow guard of large logits."""
 import types
 
 import pytest
@@ -11,7 +12,8 @@ from mmplugin_l2.models.layers import EMSA
 from mmplugin_l2.models.ops import INFERENCE, TRAIN, Path
 from mmplugin_l2.models.ops.emsa import ChunkedEMSAAttention, emsa_attention, naive_emsa_attention
 from mmplugin_l2.models.ops.memory import MemoryPolicy, set_memory_policy
-from ops.harness import assert_matches_reference
+from mmplugin_l2.models.ops.emsa.naive import emsa_attention_naive
+from ops.harness import assert_matches_naive
 
 
 def _qkv(b, h, n, nk, d, dtype=torch.float64, q_std=1., k_std=1.):
@@ -24,20 +26,14 @@ def _conv(weight, bias):
     return None if weight is None else types.SimpleNamespace(weight=weight, bias=bias)
 
 
-def authors_attention(q, k, v, scale, weight=None, bias=None, eps=1e-5):
-    """The paper's formula as written, IN(softmax(Conv1x1(q k^T * scale))) @ v (softmax alone for one head):
-    an independent float64 reference."""
-    s = q @ k.transpose(-2, -1) * scale
-    if weight is None:
-        return s.softmax(-1) @ v
-    a = F.instance_norm(F.conv2d(s, weight, bias).softmax(-1), eps=eps)
-    return a @ v
-
-
 def _op(path, scale=0.4):
     def run(q, k, v, w=None, bias=None):
         return emsa_attention(q, k, v, scale, _conv(w, bias), 1e-5, path)
     return run
+
+
+def _naive(q, k, v, w=None, bias=None, scale=0.4):
+    return emsa_attention_naive(q, k, v, scale, _conv(w, bias), 1e-5)
 
 
 def _inputs(heads, n=63, nk=10, b=2, d=5, grad=True):
@@ -48,29 +44,29 @@ def _inputs(heads, n=63, nk=10, b=2, d=5, grad=True):
     return [t.requires_grad_(grad) for t in ts]
 
 
-# ---------------------------------------------------------------- fast paths vs the reference
+# ---------------------------------------------------------------- the reference and fast paths vs the naive form
+@pytest.mark.parametrize('heads', [1, 3])
+def test_reference_matches_naive(heads):
+    """The well-conditioned reference = the paper's formula: values and gradients of q, k, v and the conv's
+    weight and bias (zero: the softmax ignores it) in float64."""
+    assert_matches_naive(_op(Path.reference()), _naive, _inputs(heads), rtol=1e-9, atol=1e-11)
+
+
 @pytest.mark.parametrize('heads', [1, 3])
 @pytest.mark.parametrize('rows', [1, 5, 63])
-def test_inference_pieces_match_reference(heads, rows):
+def test_inference_pieces_match_naive(heads, rows):
     """Pieces of 1, 5 (63 queries: a partial last piece) and all queries, batch 2, float64."""
     inputs = _inputs(heads, grad=False)
     piece = rows * 2 * heads * 10
-    assert_matches_reference(_op(Path(INFERENCE, piece)), _op(Path.reference()), inputs, grads=False)
+    assert_matches_naive(_op(Path(INFERENCE, piece)), _naive, inputs, rtol=1e-9, atol=1e-11, grads=False)
 
 
 @pytest.mark.parametrize('heads', [1, 3])
 @pytest.mark.parametrize('rows', [1, 5])
-def test_train_function_matches_reference(heads, rows):
+def test_train_function_matches_naive(heads, rows):
     """`ChunkedEMSAAttention` (forward in pieces, backward recomputed piece by piece): values and gradients of
-    q, k, v and the conv's weight and bias (zero) in float64."""
-    inputs = _inputs(heads)
-    assert_matches_reference(_op(Path(TRAIN, rows * 2 * heads * 10)), _op(Path.reference()), inputs)
-
-
-def test_reference_matches_the_papers_formula():
-    inputs = _inputs(3)
-    assert_matches_reference(lambda q, k, v, w, b: authors_attention(q, k, v, 0.4, w, b),
-                             _op(Path.reference()), inputs, rtol=1e-9, atol=1e-11)
+    q, k, v and the conv's weight and bias in float64."""
+    assert_matches_naive(_op(Path(TRAIN, rows * 2 * heads * 10)), _naive, _inputs(heads), rtol=1e-9, atol=1e-11)
 
 
 # ---------------------------------------------------------------- the overflow guard of large logits
@@ -88,16 +84,14 @@ def _peaked(heads=3):
 @pytest.mark.parametrize('path', [Path.reference(), Path(TRAIN, 2 * 3 * 9 * 5)])
 def test_train_paths_guard_large_logits(path):
     """Autograd (the reference) and the train function, whose backward recomputes the map with autograd:
-    finite values and gradients equal to the paper's formula in float64."""
-    assert_matches_reference(_op(path), lambda q, k, v, w, b: authors_attention(q, k, v, 0.4, w, b),
-                             _peaked(), rtol=1e-9, atol=1e-10)
+    finite values and gradients equal to the naive form's in float64."""
+    assert_matches_naive(_op(path), _naive, _peaked(), rtol=1e-9, atol=1e-10)
 
 
 @pytest.mark.parametrize('path', [Path(INFERENCE, None), Path(INFERENCE, 2 * 3 * 9 * 5)])
 def test_inference_paths_guard_large_logits(path):
-    """Without autograd (in-place steps, whole map or pieces): finite and equal to the paper's formula."""
-    assert_matches_reference(_op(path), lambda q, k, v, w, b: authors_attention(q, k, v, 0.4, w, b),
-                             _peaked(), rtol=1e-9, atol=1e-10, grads=False)
+    """Without autograd (in-place steps, whole map or pieces): finite and equal to the naive form."""
+    assert_matches_naive(_op(path), _naive, _peaked(), rtol=1e-9, atol=1e-10, grads=False)
 
 
 # ---------------------------------------------------------------- autocast on CPU

@@ -1,6 +1,6 @@
-"""`ops.linear_attention`: L2ViT's linear attention, its train function (closed-form backward) and its
-inference in pieces of tokens against the reference (the authors' order of operations), and the dispatch of
-the `LinearAttention` layer."""
+"""`ops.linear_attention`: L2ViT's linear attention, its reference (the authors' order of operations), its train
+function (closed-form backward) and its inference in pieces of tokens against the naive form (the attention
+matrix written out), and the dispatch of the `LinearAttention` layer."""
 import types
 
 import pytest
@@ -13,13 +13,8 @@ from mmplugin_l2.models.ops import INFERENCE, TRAIN, Path
 from mmplugin_l2.models.ops.linear_attention import (LinearAttentionCore, linear_attention,
                                                      linear_attention_reference)
 from mmplugin_l2.models.ops.memory import MemoryPolicy, set_memory_policy
-from ops.harness import assert_matches_reference
-
-
-def explicit(q, k, v, t, clamp_min):
-    """The attention matrix written out, per query: out_i = sum_j (Q_i . K_j) v_j t / max(sum_j Q_i . K_j, c)."""
-    a = q.relu() @ k.relu().transpose(-2, -1)
-    return (a @ v) * t / a.sum(-1, keepdim=True).clamp_min(clamp_min)
+from mmplugin_l2.models.ops.linear_attention.naive import linear_attention_naive
+from ops.harness import assert_matches_naive
 
 
 def _qkvt(b=2, heads=2, n=45, d=5, scale=3.):
@@ -31,22 +26,23 @@ def _qkvt(b=2, heads=2, n=45, d=5, scale=3.):
     return [x.requires_grad_() for x in (q, k, v, t)]
 
 
-def test_reference_is_the_explicit_matrix():
-    assert_matches_reference(lambda *a: linear_attention_reference(*a, 100.), lambda *a: explicit(*a, 100.),
-                             _qkvt())
+def test_reference_matches_naive():
+    """The associative order phi(Q) (phi(K)^T V) = the attention matrix written out: values and gradients."""
+    assert_matches_naive(lambda *a: linear_attention_reference(*a, 100.), lambda *a: linear_attention_naive(*a, 100.),
+                         _qkvt())
 
 
-def test_train_function_matches_reference():
+def test_train_function_matches_naive():
     """`LinearAttentionCore` (closed-form backward): values and gradients of q, k, v, t in float64, an odd
     number of tokens, batch 2, the clamp binding for part of the queries; inputs as strided views too."""
-    assert_matches_reference(lambda *a: LinearAttentionCore.apply(*a, 100.),
-                             lambda *a: linear_attention_reference(*a, 100.), _qkvt())
+    assert_matches_naive(lambda *a: LinearAttentionCore.apply(*a, 100.), lambda *a: linear_attention_naive(*a, 100.),
+                         _qkvt())
     qkv = torch.randn(2, 45, 3, 2, 5, dtype=torch.float64, requires_grad=True) * 3
 
     def views(fn):
         return lambda x, t: fn(*(u.transpose(1, 2) for u in x.unbind(2)), t, 100.)
     t = torch.randn(2, 1, 1, dtype=torch.float64, requires_grad=True)
-    assert_matches_reference(views(LinearAttentionCore.apply), views(linear_attention_reference), [qkv, t])
+    assert_matches_naive(views(LinearAttentionCore.apply), views(linear_attention_naive), [qkv, t])
 
 
 def _layer_parts(c=12, heads=2):
@@ -60,14 +56,20 @@ def _layer_parts(c=12, heads=2):
 @pytest.mark.parametrize('tokens', [1, 7, 45])
 @pytest.mark.parametrize('fp32_reduce', [True, False])
 @pytest.mark.parametrize('with_norm', [True, False])
-def test_inference_pieces_match_reference(tokens, fp32_reduce, with_norm):
-    """Pieces of 1, 7 (45 tokens: a partial last piece) and all tokens, with and without the pre-norm."""
+def test_inference_pieces_match_naive(tokens, fp32_reduce, with_norm):
+    """Pieces of 1, 7 (45 tokens: a partial last piece) and all tokens, with and without the pre-norm; the
+    whole layer proj(attention(qkv(norm(x)))), the attention naive."""
     qkv, proj, norm, t = _layer_parts()
     x = torch.randn(2, 45, 12, dtype=torch.float64) * 3
+    norm = norm if with_norm else None
 
-    def run(path):
-        return lambda x: linear_attention(path, x, qkv, proj, t, 2, 100., fp32_reduce, norm if with_norm else None)
-    assert_matches_reference(run(Path(INFERENCE, tokens * 2 * 12)), run(Path.reference()), [x], grads=False)
+    def naive(x):
+        x = x if norm is None else norm(x)
+        q, k, v = qkv(x).view(2, 45, 3, 2, 6).permute(2, 0, 3, 1, 4)
+        return proj(linear_attention_naive(q, k, v, t, 100.).transpose(1, 2).reshape(2, 45, 12))
+    fast = lambda x: linear_attention(Path(INFERENCE, tokens * 2 * 12), x, qkv, proj, t, 2, 100.,  # noqa: E731
+                                      fp32_reduce, norm)
+    assert_matches_naive(fast, naive, [x], grads=False)
 
 
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])

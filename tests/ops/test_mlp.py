@@ -14,7 +14,8 @@ from mmplugin_l2.models.ops.memory import set_memory_policy
 from mmplugin_l2.models.ops import TRAIN, Path
 from mmplugin_l2.models.ops.mlp import (ConvMlpPiecesFunction, ConvMlpFunction, NormMlpFunction, conv_mlp,
                                         conv_mlp_inference, conv_mlp_reference, mlp_inference, mlp_reference)
-from ops.harness import assert_matches_reference
+from mmplugin_l2.models.ops.mlp.naive import conv_mlp_naive, mlp_naive
+from ops.harness import assert_matches_naive
 
 C, R = 5, 11      # odd widths: channels and hidden channels
 
@@ -32,20 +33,44 @@ def _params(c=C, r=R):
     return [(torch.randn(s, generator=g, dtype=torch.float64) * 0.5).requires_grad_() for s in shapes]
 
 
-def _conv_mlp_ref(x, hw, w1, b1, wc, bc, w2, b2, act=F.gelu):
-    return conv_mlp_reference(x, hw, lambda t: F.linear(t, w1, b1),
-                              lambda m: F.conv2d(m, wc, bc, padding=1, groups=wc.shape[0]),
-                              lambda t: F.linear(t, w2, b2), act, nn.Identity())
+def _conv_mlp(impl, act=F.gelu):
+    """`impl` (the reference or the naive form) as a function of the tokens, the map size and the parameters."""
+    def run(x, hw, w1, b1, wc, bc, w2, b2):
+        return impl(x, hw, lambda t: F.linear(t, w1, b1), lambda m: F.conv2d(m, wc, bc, padding=1, groups=wc.shape[0]),
+                    lambda t: F.linear(t, w2, b2), act, nn.Identity())
+    return run
+
+
+def _mlp(impl, act=F.gelu):
+    """`impl` (the reference or the naive form) as a function of the tokens and the parameters (pre-norm
+    LayerNorm with lw, lb when given)."""
+    def run(x, w1, b1, w2, b2, lw=None, lb=None):
+        norm = None if lw is None else (lambda t: F.layer_norm(t, t.shape[-1:], lw, lb, 1e-5))
+        return impl(x, lambda t: F.linear(t, w1, b1), lambda t: F.linear(t, w2, b2), act, nn.Identity(), norm)
+    return run
 
 
 def _x(hw, b=2, c=C):
     return (torch.randn(b, hw[0] * hw[1], c, dtype=torch.float64) * 2).requires_grad_()
 
 
+# ------------------------------------------------------------------ the references
+@pytest.mark.parametrize('act', [F.gelu, torch.tanh])
+def test_references_match_naive(act):
+    """`mlp_reference` (with a pre-norm) and `conv_mlp_reference` (an odd map) = the naive forms: values and
+    gradients of the tokens and every parameter."""
+    w1, b1, _, _, w2, b2 = _params()
+    lw, lb = (torch.randn(C, dtype=torch.float64).requires_grad_() for _ in range(2))
+    assert_matches_naive(_mlp(mlp_reference, act), _mlp(mlp_naive, act), [_x((31, 1)), w1, b1, w2, b2, lw, lb])
+    hw = (5, 7)
+    assert_matches_naive(lambda x, *p: _conv_mlp(conv_mlp_reference, act)(x, hw, *p),
+                         lambda x, *p: _conv_mlp(conv_mlp_naive, act)(x, hw, *p), [_x(hw)] + _params())
+
+
 # ------------------------------------------------------------------ inference in pieces
 @pytest.mark.parametrize('piece', [None, 3 * C, 7 * C, 10 ** 6])
 @pytest.mark.parametrize('with_norm', [False, True])
-def test_mlp_inference_matches_reference(piece, with_norm):
+def test_mlp_inference_matches_naive(piece, with_norm):
     """Pieces of 3 and 7 tokens of 2 x 31 (a partial last piece), one piece, whole map; the pre-norm in the
     pieces."""
     mlp = _random_(Mlp(C, R))
@@ -53,49 +78,45 @@ def test_mlp_inference_matches_reference(piece, with_norm):
     x = torch.randn(2, 31, C, dtype=torch.float64)
     with torch.no_grad():
         fast = mlp_inference(x, mlp.fc1, mlp.fc2, piece, norm)
-        ref = mlp_reference(x, mlp.fc1, mlp.fc2, nn.GELU(), nn.Identity(), norm)
+        ref = mlp_naive(x, mlp.fc1, mlp.fc2, F.gelu, nn.Identity(), norm)
     torch.testing.assert_close(fast, ref, rtol=1e-12, atol=1e-13)
 
 
 @pytest.mark.parametrize('hw', [(13, 7), (5, 9), (2, 3)])
 @pytest.mark.parametrize('rows', [1, 2, 4, None])
-def test_conv_mlp_inference_matches_reference(hw, rows):
+def test_conv_mlp_inference_matches_naive(hw, rows):
     """Pieces of 1, 2 and 4 rows with a halo row each side (map edges, a partial last piece), whole map."""
     m = _random_(ConvMlp(C, R))
     x = torch.randn(2, hw[0] * hw[1], C, dtype=torch.float64)
     piece = None if rows is None else rows * 2 * hw[1] * C
     with torch.no_grad():
         fast = conv_mlp_inference(x, hw, m.fc1, m.dwc, m.fc2, piece)
-        ref = conv_mlp_reference(x, hw, m.fc1, m.dwc, m.fc2, nn.GELU(), nn.Identity())
+        ref = conv_mlp_naive(x, hw, m.fc1, m.dwc, m.fc2, F.gelu, nn.Identity())
     torch.testing.assert_close(fast, ref, rtol=1e-12, atol=1e-13)
 
 
 # ------------------------------------------------------------------ training functions
 @pytest.mark.parametrize('keep_fc1', [True, False])
 @pytest.mark.parametrize('hw', [(6, 5), (3, 7)])
-def test_conv_mlp_function_matches_reference(keep_fc1, hw):
-    assert_matches_reference(lambda x, *p: ConvMlpFunction.apply(x, hw, keep_fc1, *p),
-                             lambda x, *p: _conv_mlp_ref(x, hw, *p), [_x(hw)] + _params())
+def test_conv_mlp_function_matches_naive(keep_fc1, hw):
+    assert_matches_naive(lambda x, *p: ConvMlpFunction.apply(x, hw, keep_fc1, *p),
+                         lambda x, *p: _conv_mlp(conv_mlp_naive)(x, hw, *p), [_x(hw)] + _params())
 
 
 @pytest.mark.parametrize('hw,rows', [((6, 5), 1), ((7, 9), 2), ((7, 9), 4), ((2, 3), 1), ((5, 3), 7)])
-def test_conv_mlp_pieces_function_matches_reference(hw, rows):
+def test_conv_mlp_pieces_function_matches_naive(hw, rows):
     """Pieces of rows with their halo rows, a partial last piece, one piece for the whole map."""
-    assert_matches_reference(lambda x, *p: ConvMlpPiecesFunction.apply(x, hw, rows, *p),
-                             lambda x, *p: _conv_mlp_ref(x, hw, *p), [_x(hw)] + _params())
+    assert_matches_naive(lambda x, *p: ConvMlpPiecesFunction.apply(x, hw, rows, *p),
+                         lambda x, *p: _conv_mlp(conv_mlp_naive)(x, hw, *p), [_x(hw)] + _params())
 
 
 @pytest.mark.parametrize('rows', [None, 7, 1, 61])
-def test_norm_mlp_function_matches_reference(rows):
+def test_norm_mlp_function_matches_naive(rows):
     """LayerNorm -> fc1 -> GELU -> fc2 whole and in pieces of `rows` tokens of 2 x 31 (a partial last one)."""
     w1, b1, _, _, w2, b2 = _params()
     lw, lb = (torch.randn(C, dtype=torch.float64).requires_grad_() for _ in range(2))
-    x = _x((31, 1))
-
-    def ref(x, lw, lb, w1, b1, w2, b2):
-        return F.linear(F.gelu(F.linear(F.layer_norm(x, (C,), lw, lb, 1e-5), w1, b1)), w2, b2)
-    assert_matches_reference(lambda *a: NormMlpFunction.apply(a[0], a[1], a[2], 1e-5, *a[3:], rows), ref,
-                             [x, lw, lb, w1, b1, w2, b2], atol=1e-11)
+    assert_matches_naive(lambda x, w1, b1, w2, b2, lw, lb: NormMlpFunction.apply(x, lw, lb, 1e-5, w1, b1, w2, b2, rows),
+                         _mlp(mlp_naive), [_x((31, 1)), w1, b1, w2, b2, lw, lb], atol=1e-11)
 
 
 # ------------------------------------------------------------------ the layers' dispatch
@@ -110,7 +131,7 @@ def _layer(cls, recompute=True, max_elems=2 * 7 * C, devices=('cpu',), **kw):
 
 
 @pytest.mark.parametrize('cls', [Mlp, ConvMlp])
-def test_layer_inference_in_pieces_equals_reference(cls):
+def test_layer_inference_in_pieces_equals_naive(cls):
     m = _layer(cls).eval()
     hw = (7, 9)
     x = torch.randn(2, 63, C, dtype=torch.float64)
@@ -119,10 +140,10 @@ def test_layer_inference_in_pieces_equals_reference(cls):
     ref = m(x.clone().requires_grad_(), hw)          # eval with grad (Grad-CAM): the reference
     torch.testing.assert_close(fast, ref.detach(), rtol=1e-12, atol=1e-13)
     if cls is Mlp:
-        reference = lambda t: mlp_reference(t, m.fc1, m.fc2, F.gelu, nn.Identity())   # noqa: E731
+        naive = lambda t: mlp_naive(t, m.fc1, m.fc2, F.gelu, nn.Identity())   # noqa: E731
     else:
-        reference = lambda t: conv_mlp_reference(t, hw, m.fc1, m.dwc, m.fc2, F.gelu, nn.Identity())  # noqa: E731
-    assert_matches_reference(lambda t: m(t, hw), reference, [x.requires_grad_()])
+        naive = lambda t: conv_mlp_naive(t, hw, m.fc1, m.dwc, m.fc2, F.gelu, nn.Identity())  # noqa: E731
+    assert_matches_naive(lambda t: m(t, hw), naive, [x.requires_grad_()])
 
 
 def test_conv_mlp_layer_takes_the_train_functions():
@@ -135,7 +156,7 @@ def test_conv_mlp_layer_takes_the_train_functions():
         m = _layer(ConvMlp, **kw).train()
         y = m(x, hw)
         names[key] = _grad_fn(y)
-        assert_matches_reference(lambda t: m(t, hw), lambda t: _conv_mlp_ref(t, hw, *m.parameters()), [x])
+        assert_matches_naive(lambda t: m(t, hw), lambda t: _conv_mlp(conv_mlp_naive)(t, hw, *m.parameters()), [x])
     assert names == {'pieces': 'ConvMlpPiecesFunctionBackward', 'whole': 'ConvMlpFunctionBackward',
                      'plain': 'ViewBackward0'}, names
 
@@ -196,9 +217,9 @@ def test_norm_mlp_branch_dispatch():
     for devices in (('cpu',), ('cuda',)):
         set_memory_policy(blk, dict(max_elems=4 * 8, devices=devices))
         assert _grad_fn(norm_mlp_branch(blk, blk.norm2, blk.mlp, x)) == 'NormMlpFunctionBackward'
-        assert_matches_reference(lambda t: norm_mlp_branch(blk, blk.norm2, blk.mlp, t),
-                                 lambda t: mlp_reference(t, blk.mlp.fc1, blk.mlp.fc2, F.gelu, nn.Identity(),
-                                                         blk.norm2), [x], atol=1e-11)
+        assert_matches_naive(lambda t: norm_mlp_branch(blk, blk.norm2, blk.mlp, t),
+                             lambda t: mlp_naive(t, blk.mlp.fc1, blk.mlp.fc2, F.gelu, nn.Identity(), blk.norm2), [x],
+                             atol=1e-11)
 
 
 # ------------------------------------------------------------------ settings the fast paths lack
@@ -220,9 +241,9 @@ def test_other_activation_takes_the_reference(cls, mode):
         x = torch.randn(2, 63, C, dtype=torch.float64)
         assert list(m.state_dict()) == list(_gelu_layer_like(m).state_dict())
         if cls is Mlp:
-            ref = mlp_reference(x, m.fc1, m.fc2, act, nn.Identity())
+            ref = mlp_naive(x, m.fc1, m.fc2, act, nn.Identity())
         else:
-            ref = conv_mlp_reference(x, hw, m.fc1, m.dwc, m.fc2, act, nn.Identity())
+            ref = conv_mlp_naive(x, hw, m.fc1, m.dwc, m.fc2, act, nn.Identity())
         if mode == 'inference':
             with torch.no_grad():
                 y, gelu_y = m.eval()(x, hw), _gelu_layer_like(m).eval()(x, hw)
@@ -241,7 +262,8 @@ def test_norm_mlp_branch_other_activation_takes_the_reference():
     x = torch.randn(2, 40, 8, dtype=torch.float64, requires_grad=True)
     y = norm_mlp_branch(blk, blk.norm2, blk.mlp, x)
     assert 'NormMlp' not in _grad_fn(y)
-    torch.testing.assert_close(y, blk.mlp.fc2(F.relu(blk.mlp.fc1(blk.norm2(x)))), rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(y, mlp_naive(x, blk.mlp.fc1, blk.mlp.fc2, F.relu, nn.Identity(), blk.norm2), rtol=1e-12,
+                               atol=1e-13)
 
 
 # ------------------------------------------------------------------ autocast on CPU

@@ -1,7 +1,8 @@
-"""`ops.ttt`: the TTT core of H-ViT3 / ViT3 (`reference.ttt_core`) against the inner models trained explicitly
-with autograd, its fast paths (inference in pieces of tokens, the fused whole-map forward, the train function
-`TTTCore` with its closed-form backward) against the reference, the batched depth-wise conv kernels against
-loops, and the dispatch of the `TTTAttention` layer."""
+"""`ops.ttt`: the TTT core of H-ViT3 / ViT3 (`reference.ttt_core`) and its fast paths (inference in pieces of
+tokens, the fused whole-map forward, the train function `TTTCore` with its closed-form backward) against the
+naive form (`naive.ttt_core_naive`: the inner models trained with autograd), the closed-form inner gradients
+against autograd, the batched depth-wise conv kernels against loops, and the dispatch of the `TTTAttention`
+layer."""
 import types
 
 import pytest
@@ -9,13 +10,15 @@ import torch
 import torch.nn.functional as F
 
 import mmplugin_l2.models.ops.ttt as ttt_op
-from mmplugin_l2.models.layers import TTTAttention, apply_rope, rope_tables
+from mmplugin_l2.models.layers import TTTAttention, rope_tables
 from mmplugin_l2.models.ops import INFERENCE, TRAIN, Path
 from mmplugin_l2.models.ops.export import export_mode
 from mmplugin_l2.models.ops.memory import MemoryPolicy, set_memory_policy
 from mmplugin_l2.models.ops.ttt import (TTTCore, dwconv_inner_grad, dwconv_per_sample, swiglu_inner_grads,
                                         tap_sums, ttt_attention, ttt_core, ttt_core_fused, ttt_core_pieces)
-from ops.harness import assert_matches_reference
+from mmplugin_l2.models.ops.ttt import naive
+from mmplugin_l2.models.ops.ttt.naive import ttt_core_naive
+from ops.harness import assert_matches, assert_matches_naive
 
 HW = (5, 7)          # odd height and width
 SCALE, LR = 1 / 3, 1.0
@@ -40,83 +43,55 @@ def _core(fn, rot, nh, hw=HW):
     return lambda qkv, w1, w2, w3: fn(qkv, rot, w1, w2, w3, hw, nh, SCALE, LR)
 
 
-# ---------------------------------------------------------------- the reference against explicit inner training
-def explicit_core(qkv, rot, w1, w2, w3, hw, nh, scale, lr):
-    """Each inner model trained with autograd (create_graph, so that the outer gradient flows), sample by
-    sample and head by head, then applied to the queries: an independent float64 reference."""
-    b, n, _ = qkv.shape
-    d = w1.shape[-1]
-    c = nh * d
-    q1, k1, v1, q2, k2, v2 = qkv.split([c, c, c, d, d, d], -1)
-    if rot is not None:
-        q1, k1 = apply_rope(q1, rot), apply_rope(k1, rot)
-    outs = []
-    for i in range(b):
-        per_head = []
-        for hd in range(nh):
-            sl = slice(hd * d, (hd + 1) * d)
-            W1, W2 = w1[0, hd], w2[0, hd]
-            loss = -((k1[i, :, sl] @ W1) * F.silu(k1[i, :, sl] @ W2) * v1[i, :, sl]).sum() * scale / n
-            g1, g2 = torch.autograd.grad(loss, (W1, W2), create_graph=True)
-            W1 = W1 - lr * g1 / (g1.norm(dim=0, keepdim=True) + 1)
-            W2 = W2 - lr * g2 / (g2.norm(dim=0, keepdim=True) + 1)
-            per_head.append((q1[i, :, sl] @ W1) * F.silu(q1[i, :, sl] @ W2))
-        kk, vv, qq = (t[i].T.reshape(1, d, *hw) for t in (k2, v2, q2))
-        loss = -(F.conv2d(kk, w3, padding=1, groups=d) * vv).sum() * scale / n
-        (g3,) = torch.autograd.grad(loss, w3, create_graph=True)
-        W3 = w3 - lr * g3 / (g3.norm(dim=(-2, -1), keepdim=True) + 1)
-        per_head.append(F.conv2d(qq, W3, padding=1, groups=d).reshape(d, n).T)
-        outs.append(torch.cat(per_head, -1))
-    return torch.stack(outs)
-
-
+# ---------------------------------------------------------------- the reference against the naive form
 @pytest.mark.parametrize('nh,d,with_rope', [(2, 4, True), (4, 3, True), (2, 4, False)])
-def test_reference_equals_explicit_inner_training(nh, d, with_rope):
-    """Values and gradients (qkv, W1, W2, w3), batch 2, odd map, head width 3 (RoPE pairs across heads)."""
+def test_reference_matches_naive(nh, d, with_rope):
+    """Values and gradients (qkv, W1, W2, w3), batch 2, odd map, head width 3 (RoPE pairs across heads):
+    the closed-form inner gradients of the reference = autograd's inner step of the naive form."""
     inputs = _core_inputs(nh=nh, d=d)
     rot = _rot(nh * d, with_rope)
-    assert_matches_reference(_core(ttt_core, rot, nh), _core(explicit_core, rot, nh), inputs, rtol=1e-9, atol=1e-11)
+    assert_matches_naive(_core(ttt_core, rot, nh), _core(ttt_core_naive, rot, nh), inputs)
 
 
 def test_reference_at_a_zero_inner_gradient():
-    """An all-zero value map (inner gradient 0): values and gradients equal the explicit training's."""
+    """An all-zero value map (inner gradient 0, the normalisation's kink): values and gradients equal the
+    naive form's."""
     rot = _rot(8, True)
-    assert_matches_reference(_core(ttt_core, rot, 2), _core(explicit_core, rot, 2), _core_inputs(zero_values=True),
-                             rtol=1e-9, atol=1e-11)
+    assert_matches_naive(_core(ttt_core, rot, 2), _core(ttt_core_naive, rot, 2), _core_inputs(zero_values=True))
 
 
-# ---------------------------------------------------------------- fast paths against the reference
+# ---------------------------------------------------------------- fast paths against the naive form
 @pytest.mark.parametrize('with_rope', [True, False])
 @pytest.mark.parametrize('tokens', [1, 4, 35, None])      # 35 tokens: a partial last piece of 4
-def test_forward_without_autograd_matches_reference(with_rope, tokens):
-    """The train function's forward (`ttt_core_pieces`, whole map: `ttt_core_fused`) without autograd."""
+def test_forward_without_autograd_matches_naive(with_rope, tokens):
+    """The train function's forward (`ttt_core_pieces`, whole map: `ttt_core_fused`) without autograd = the
+    naive form."""
     rot, b, c = _rot(8, with_rope), 2, 8
     fast = ttt_core_fused if tokens is None else (
         lambda *a: ttt_core_pieces(*a, piece=tokens * b * c))
-    assert_matches_reference(_core(fast, rot, 2), _core(ttt_core, rot, 2), _core_inputs(grad=False),
-                             rtol=1e-10, atol=1e-12, grads=False)
+    assert_matches_naive(_core(fast, rot, 2), _core(ttt_core_naive, rot, 2), _core_inputs(grad=False), grads=False)
 
 
 @pytest.mark.parametrize('nh,d', [(2, 4), (4, 3)])
 @pytest.mark.parametrize('with_rope', [True, False])
 @pytest.mark.parametrize('tokens', [3, None])
-def test_train_function_matches_reference(nh, d, with_rope, tokens):
+def test_train_function_matches_naive(nh, d, with_rope, tokens):
     """`TTTCore` (forward without autograd; closed-form backward on whole maps and in pieces of 3 tokens, a
-    partial last piece): values and gradients of qkv, W1, W2 and w3 in float64."""
+    partial last piece) = the naive form: values and gradients of qkv, W1, W2 and w3 in float64."""
     rot, b = _rot(nh * d, with_rope), 2
     piece = None if tokens is None else tokens * b * nh * d
     fast = lambda qkv, w1, w2, w3: TTTCore.apply(qkv, rot, w1, w2, w3, HW, nh, SCALE, LR, piece)
-    assert_matches_reference(fast, _core(ttt_core, rot, nh), _core_inputs(nh=nh, d=d), rtol=1e-10, atol=1e-12)
+    assert_matches_naive(fast, _core(ttt_core_naive, rot, nh), _core_inputs(nh=nh, d=d))
 
 
 @pytest.mark.parametrize('tokens', [5, None])
 def test_train_function_at_a_zero_inner_gradient(tokens):
     """An all-zero value map in one sample (its conv-head inner gradient has norm 0, the normalisation's
-    kink): `TTTCore`'s closed-form gradients = the reference's (itself = explicit training there)."""
+    kink): `TTTCore`'s closed-form gradients = the naive form's."""
     rot = _rot(8, True)
     piece = None if tokens is None else tokens * 2 * 8
     fast = lambda qkv, w1, w2, w3: TTTCore.apply(qkv, rot, w1, w2, w3, HW, 2, SCALE, LR, piece)
-    assert_matches_reference(fast, _core(ttt_core, rot, 2), _core_inputs(zero_values=True), rtol=1e-10, atol=1e-12)
+    assert_matches_naive(fast, _core(ttt_core_naive, rot, 2), _core_inputs(zero_values=True))
 
 
 def _layer(dim=8, heads=2, max_elems=None, devices=('cpu',), std=0.3):
@@ -131,18 +106,17 @@ def _layer(dim=8, heads=2, max_elems=None, devices=('cpu',), std=0.3):
 
 @pytest.mark.parametrize('with_rope', [True, False])
 @pytest.mark.parametrize('tokens', [1, 4, None])
-def test_inference_pieces_match_reference(with_rope, tokens):
-    """`ttt_inference` (qkv columns, inner models and proj in pieces of tokens) = proj(ttt_core(qkv(x)))."""
+def test_inference_pieces_match_naive(with_rope, tokens):
+    """`ttt_inference` (qkv columns, inner models and proj in pieces of tokens) = proj(naive(qkv(x)))."""
     m, b = _layer(), 2
     rot = _rot(8, with_rope)
     x = torch.randn(b, HW[0] * HW[1], 8, dtype=torch.float64)
-
-    def run(path):
-        return lambda x: ttt_attention(x, m.qkv, m.proj, rot, m.w1, m.w2, m.w3, HW, 2, SCALE, LR, path)
-
     piece = None if tokens is None else tokens * b * 8
-    assert_matches_reference(run(Path(INFERENCE, piece)), run(Path.reference()), [x], grads=False)
-    assert run(Path.reference())(x).abs().max() > 1    # inner updates large enough to matter
+    fast = lambda x: ttt_attention(x, m.qkv, m.proj, rot, m.w1, m.w2, m.w3, HW, 2, SCALE, LR,  # noqa: E731
+                                   Path(INFERENCE, piece))
+    naive = lambda x: m.proj(ttt_core_naive(m.qkv(x), rot, m.w1, m.w2, m.w3, HW, 2, SCALE, LR))  # noqa: E731
+    assert_matches_naive(fast, naive, [x], grads=False)
+    assert naive(x).abs().max() > 1    # inner updates large enough to matter
 
 
 # ---------------------------------------------------------------- the batched depth-wise conv kernels
@@ -179,8 +153,8 @@ def test_tap_sums_and_dwconv_equal_loops(b, h, w, export):
     k, v, q = _maps(b, h, w)
     weight = torch.randn(b * 4, 1, 3, 3, dtype=torch.float64)
     with export_mode() if export else torch.enable_grad():
-        assert_matches_reference(tap_sums, loop_tap_sums, [k.clone().requires_grad_(), v.clone().requires_grad_()])
-        assert_matches_reference(dwconv_per_sample, loop_dwconv, [q.clone().requires_grad_(), weight.requires_grad_()])
+        assert_matches(tap_sums, loop_tap_sums, [k.clone().requires_grad_(), v.clone().requires_grad_()])
+        assert_matches(dwconv_per_sample, loop_dwconv, [q.clone().requires_grad_(), weight.requires_grad_()])
 
 
 @pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
@@ -193,30 +167,29 @@ def test_tap_sums_accumulate_in_fp32_for_half_maps(dtype):
 
 
 def test_swiglu_inner_grads_equal_autograd():
+    """The closed-form normalised gradients of the SwiGLU inner loss (also the fused kernel under no_grad) =
+    autograd's, per sample (the naive form's loss and normalisation)."""
     b, h, n, d = 2, 3, 20, 8
     k, v = torch.randn(b, h, n, d, dtype=torch.float64), torch.randn(b, h, n, d, dtype=torch.float64)
     w1 = torch.randn(1, h, d, d, dtype=torch.float64) * 0.3
     w2 = torch.randn(1, h, d, d, dtype=torch.float64) * 0.3
-    # per-sample fast weights, so that autograd gives one gradient per sample
-    W1 = w1.expand(b, -1, -1, -1).clone().requires_grad_()
-    W2 = w2.expand(b, -1, -1, -1).clone().requires_grad_()
-    loss = -((k @ W1) * F.silu(k @ W2) * v).sum() * SCALE / n
-    g1, g2 = torch.autograd.grad(loss, (W1, W2))
+    W1, W2 = naive.per_sample(w1[0], b), naive.per_sample(w2[0], b)
+    g1, g2 = torch.autograd.grad(naive.dot_loss(naive.swiglu(k, W1, W2), v, SCALE, n), (W1, W2))
     for fused in (False, True):        # under no_grad the fused kernel aten.silu_backward
         with torch.set_grad_enabled(not fused):
             out1, out2 = swiglu_inner_grads(k, v, w1, w2, SCALE)
-        torch.testing.assert_close(out1, g1 / (g1.norm(dim=-2, keepdim=True) + 1), rtol=0, atol=1e-12)
-        torch.testing.assert_close(out2, g2 / (g2.norm(dim=-2, keepdim=True) + 1), rtol=0, atol=1e-12)
+        torch.testing.assert_close(out1, naive.normalise(g1, -2), rtol=0, atol=1e-12)
+        torch.testing.assert_close(out2, naive.normalise(g2, -2), rtol=0, atol=1e-12)
 
 
 def test_dwconv_inner_grad_equals_autograd():
+    """The closed-form normalised gradient of the conv head's inner loss = autograd's, per sample."""
     b, d, hh, ww = 2, 4, 7, 5
     k, v = torch.randn(b, d, hh, ww, dtype=torch.float64), torch.randn(b, d, hh, ww, dtype=torch.float64)
-    w = (torch.randn(d, 1, 3, 3, dtype=torch.float64) * 0.2).repeat(b, 1, 1, 1).requires_grad_()
-    out = F.conv2d(k.reshape(1, b * d, hh, ww), w, padding=1, groups=b * d).reshape(b, d, hh, ww)
-    (g,) = torch.autograd.grad(-(out * v).sum() * SCALE / (hh * ww), w)
+    w = naive.per_sample(torch.randn(d, 1, 3, 3, dtype=torch.float64) * 0.2, b)
+    (g,) = torch.autograd.grad(naive.dot_loss(naive.dwconv3x3(k, w), v, SCALE, hh * ww), w)
     torch.testing.assert_close(dwconv_inner_grad(k.permute(0, 2, 3, 1), v.permute(0, 2, 3, 1), SCALE),
-                               g / (g.norm(dim=(-2, -1), keepdim=True) + 1), rtol=0, atol=1e-12)
+                               naive.normalise(g, (-2, -1)).reshape(b * d, 1, 3, 3), rtol=0, atol=1e-12)
 
 
 # ---------------------------------------------------------------- autocast on CPU

@@ -1,5 +1,6 @@
-"""Convolution-chain op (stems, downsamplings, LCM): `reference` (the layers on the whole map), `pieces`
-(inference in bands of output rows, halo rows recomputed). `conv_chain` dispatches between them."""
+"""Convolution-chain op (stems, downsamplings, LCM): `naive` (the maths: F.conv2d and the BN formula, L2ViT's
+LCM as its Eqs. 6-7; the tests' oracle), `reference` (the layers on the whole map), `pieces` (inference in bands
+of output rows, halo rows recomputed). `conv_chain` dispatches between the last two."""
 import torch.nn as nn
 
 from ..dispatch import INFERENCE

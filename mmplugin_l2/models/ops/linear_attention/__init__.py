@@ -1,6 +1,6 @@
-"""L2ViT's linear attention op: `reference` (whole maps, plain autograd, the authors' order), `train`
-(`LinearAttentionCore`, closed-form backward), `pieces` (inference in pieces of tokens). `linear_attention`
-dispatches between them."""
+"""L2ViT's linear attention op: `naive` (the maths, the attention matrix written out; the tests' oracle),
+`reference` (whole maps, plain autograd, the authors' order), `train` (`LinearAttentionCore`, closed-form
+backward), `pieces` (inference in pieces of tokens). `linear_attention` dispatches between the last three."""
 from ..dispatch import INFERENCE, TRAIN
 from ..dtypes import autocast_on
 from .pieces import linear_attention_in_pieces

@@ -1,7 +1,7 @@
-"""The MLP ops: `reference` (plain autograd, the activation a parameter), `pieces` (inference, exact GELU
-in place, in pieces of tokens / rows), `train` (closed-form backward functions, exact GELU). `mlp` and
-`conv_mlp` dispatch between them from the `Path` of `ops.dispatch.choose`; `norm_mlp_train` is the
-pre-norm MLP branch's training function.
+"""The MLP ops: `naive` (the maths, the tests' oracle), `reference` (plain autograd, the activation a
+parameter), `pieces` (inference, exact GELU in place, in pieces of tokens / rows), `train` (closed-form backward
+functions, exact GELU). `mlp` and `conv_mlp` dispatch between the last three from the `Path` of
+`ops.dispatch.choose`; `norm_mlp_train` is the pre-norm MLP branch's training function.
 
 A setting a fast path does not support falls back to the reference: an activation other than exact GELU
 (every path), dropout in training and half precision / autocast (the train functions). Under the train
