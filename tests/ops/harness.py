@@ -9,6 +9,8 @@ Both run the two functions on the same float64 inputs (fresh leaf copies, so the
 independent), compare the outputs and, when any input requires a gradient, the gradients of a random
 projection of the output with respect to every such input.
 """
+import types
+
 import torch
 
 
@@ -54,3 +56,28 @@ def assert_matches_naive(impl, naive, inputs, rtol=1e-10, atol=1e-12, grads=True
 def assert_matches_reference(fast, reference, inputs, rtol=1e-10, atol=1e-12, grads=True):
     """`fast` against the op's reference: `assert_matches`."""
     assert_matches(fast, reference, inputs, rtol, atol, grads)
+
+
+class Calls(list):
+    """(label, positional arguments) of each call `record_calls` saw, in order."""
+
+    @property
+    def names(self):
+        return [label for label, _ in self]
+
+
+def record_calls(monkeypatch, namespace, **labels):
+    """Which fast implementation of an op ran: each `namespace.<attr>` of `labels` (attr=label), a function or an
+    autograd Function (its `apply`), is replaced by a wrapper that appends (label, args) to the returned `Calls`
+    and runs the original."""
+    calls = Calls()
+
+    def wrap(label, fn):
+        return lambda *a, **k: calls.append((label, a)) or fn(*a, **k)
+    for attr, label in labels.items():
+        orig = getattr(namespace, attr)
+        if isinstance(orig, type):
+            monkeypatch.setattr(namespace, attr, types.SimpleNamespace(apply=wrap(label, orig.apply)))
+        else:
+            monkeypatch.setattr(namespace, attr, wrap(label, orig))
+    return calls

@@ -19,7 +19,7 @@ from mmplugin_l2.models.ops.conv import ConvBNAct, conv_chain, conv_chain_in_pie
 from mmplugin_l2.models.ops.export import export_mode
 from mmplugin_l2.models.ops.memory import MemoryPolicy
 from mmplugin_l2.models.ops.conv.naive import conv_chain_naive, lcm_naive
-from ops.harness import assert_matches_naive
+from ops.harness import assert_matches_naive, record_calls
 
 
 def _bn(c):
@@ -128,12 +128,7 @@ def test_stem_dispatch_train_mode_batch_norm_and_export(monkeypatch):
     stem = ConvStem(3, 8).double().eval()
     stem.memory_policy = MemoryPolicy(max_elems=1)
     x = torch.randn(2, 3, 17, 13, dtype=torch.float64)
-    calls = []
-
-    def recording(*a, **k):
-        calls.append(1)
-        return conv_chain_in_pieces(*a, **k)
-    monkeypatch.setattr(conv_op, 'conv_chain_in_pieces', recording)
+    calls = record_calls(monkeypatch, conv_op, conv_chain_in_pieces='pieces')
     with torch.no_grad():
         eval_out = stem(x)
         assert calls, 'pieces did not run'

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 import mmplugin_l2.models.ops.emsa as emsa_op
 from mmplugin_l2.models.layers import EMSA
 from mmplugin_l2.models.ops import INFERENCE, TRAIN, Path
-from mmplugin_l2.models.ops.emsa import ChunkedEMSAAttention, emsa_attention, naive_emsa_attention
+from mmplugin_l2.models.ops.emsa import emsa_attention, naive_emsa_attention
 from mmplugin_l2.models.ops.memory import MemoryPolicy, set_memory_policy
 from mmplugin_l2.models.ops.emsa.naive import emsa_attention_naive
-from ops.harness import assert_matches_naive
+from ops.harness import assert_matches_naive, record_calls
 
 
 def _qkv(b, h, n, nk, d, dtype=torch.float64, q_std=1., k_std=1.):
@@ -122,16 +122,8 @@ def test_fast_paths_under_autocast(dtype, heads):
 
 
 # ---------------------------------------------------------------- the layer's dispatch
-class _Calls:
-    """Records which of the op's fast implementations ran (wraps them in the op's namespace)."""
-
-    def __init__(self, monkeypatch):
-        self.names = []
-        inner = emsa_op.emsa_in_pieces
-        monkeypatch.setattr(emsa_op, 'emsa_in_pieces', lambda *a: self.names.append('inference') or inner(*a))
-        train = emsa_op.ChunkedEMSAAttention
-        monkeypatch.setattr(emsa_op, 'ChunkedEMSAAttention', types.SimpleNamespace(
-            apply=lambda *a: self.names.append('train') or train.apply(*a)))
+def _Calls(monkeypatch):
+    return record_calls(monkeypatch, emsa_op, emsa_in_pieces='inference', ChunkedEMSAAttention='train')
 
 
 def _layer(devices=('cpu',), max_elems=50):

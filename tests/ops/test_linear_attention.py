@@ -1,7 +1,6 @@
 """`ops.linear_attention`: L2ViT's linear attention, its reference (the authors' order of operations), its train
 function (closed-form backward) and its inference in pieces of tokens against the naive form (the attention
 matrix written out), and the dispatch of the `LinearAttention` layer."""
-import types
 
 import pytest
 import torch
@@ -9,12 +8,12 @@ import torch.nn as nn
 
 import mmplugin_l2.models.ops.linear_attention as la_op
 from mmplugin_l2.models.layers import LinearAttention
-from mmplugin_l2.models.ops import INFERENCE, TRAIN, Path
+from mmplugin_l2.models.ops import INFERENCE, Path
 from mmplugin_l2.models.ops.linear_attention import (LinearAttentionCore, linear_attention,
                                                      linear_attention_reference)
 from mmplugin_l2.models.ops.memory import MemoryPolicy, set_memory_policy
 from mmplugin_l2.models.ops.linear_attention.naive import linear_attention_naive
-from ops.harness import assert_matches_naive
+from ops.harness import assert_matches_naive, record_calls
 
 
 def _qkvt(b=2, heads=2, n=45, d=5, scale=3.):
@@ -101,47 +100,41 @@ def test_fast_paths_under_autocast(dtype, fp32_reduce):
 
 # ---------------------------------------------------------------- the layer's dispatch
 def _recording(monkeypatch):
-    """The list of the op's fast implementations that run (wrapped in the op's namespace)."""
-    names = []
-    inner = la_op.linear_attention_in_pieces
-    monkeypatch.setattr(la_op, 'linear_attention_in_pieces', lambda *a: names.append('inference') or inner(*a))
-    monkeypatch.setattr(la_op, 'LinearAttentionCore', types.SimpleNamespace(
-        apply=lambda *a: names.append('train') or LinearAttentionCore.apply(*a)))
-    return names
+    return record_calls(monkeypatch, la_op, linear_attention_in_pieces='inference', LinearAttentionCore='train')
 
 
 @pytest.mark.parametrize('devices,pieces', [(('cpu',), True), (('cuda',), False)])
 def test_pieces_only_on_the_policys_devices(monkeypatch, devices, pieces):
-    names = _recording(monkeypatch)
+    calls = _recording(monkeypatch)
     m = LinearAttention(16, 2).double().eval()
     set_memory_policy(m, MemoryPolicy(max_elems=10, devices=devices))
     x = torch.randn(2, 45, 16, dtype=torch.float64)
     with torch.no_grad():
         out = m(x)
     torch.testing.assert_close(out, m(x).detach(), rtol=1e-10, atol=1e-12)   # eval with grad: the reference
-    assert names == (['inference'] if pieces else [])
+    assert calls.names == (['inference'] if pieces else [])
 
 
 def test_train_eval_with_grad_and_train_under_no_grad(monkeypatch):
     """Training takes `LinearAttentionCore` (recompute=False: plain autograd); Grad-CAM (eval mode, autograd
     recording) and a train-mode model under no_grad take the reference, on whole maps."""
-    names = _recording(monkeypatch)
+    calls = _recording(monkeypatch)
     m = LinearAttention(16, 2).double()
     set_memory_policy(m, MemoryPolicy(max_elems=10))
     x = torch.randn(2, 45, 16, dtype=torch.float64, requires_grad=True)
     m.train()(x)
-    assert names == ['train']
+    assert calls.names == ['train']
     m.recompute = False
     m(x)
     m.recompute = True
     m.eval()(x).sum().backward()
     with torch.no_grad():
         m.train()(x)
-    assert names == ['train'] and x.grad.abs().sum() > 0
+    assert calls.names == ['train'] and x.grad.abs().sum() > 0
     m.fp32_reduce = False     # the train function does not take autocast's mixed dtypes: the reference
     with torch.autocast('cpu', dtype=torch.bfloat16):
         m.float()(x.detach().float().requires_grad_()).float().sum().backward()
-    assert names == ['train']
+    assert calls.names == ['train']
 
 
 def test_state_dict_keys():

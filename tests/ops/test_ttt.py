@@ -3,7 +3,6 @@ tokens, the fused whole-map forward, the train function `TTTCore` with its close
 naive form (`naive.ttt_core_naive`: the inner models trained with autograd), the closed-form inner gradients
 against autograd, the batched depth-wise conv kernels against loops, and the dispatch of the `TTTAttention`
 layer."""
-import types
 
 import pytest
 import torch
@@ -11,14 +10,14 @@ import torch.nn.functional as F
 
 import mmplugin_l2.models.ops.ttt as ttt_op
 from mmplugin_l2.models.layers import TTTAttention, rope_tables
-from mmplugin_l2.models.ops import INFERENCE, TRAIN, Path
+from mmplugin_l2.models.ops import INFERENCE, Path
 from mmplugin_l2.models.ops.export import export_mode
 from mmplugin_l2.models.ops.memory import MemoryPolicy, set_memory_policy
 from mmplugin_l2.models.ops.ttt import (TTTCore, dwconv_inner_grad, dwconv_per_sample, swiglu_inner_grads,
                                         tap_sums, ttt_attention, ttt_core, ttt_core_fused, ttt_core_pieces)
 from mmplugin_l2.models.ops.ttt import naive
 from mmplugin_l2.models.ops.ttt.naive import ttt_core_naive
-from ops.harness import assert_matches, assert_matches_naive
+from ops.harness import assert_matches, assert_matches_naive, record_calls
 
 HW = (5, 7)          # odd height and width
 SCALE, LR = 1 / 3, 1.0
@@ -224,16 +223,8 @@ def test_fast_paths_under_autocast(dtype):
 
 
 # ---------------------------------------------------------------- the layer's dispatch
-class _Calls:
-    """Records which fast implementation of the op ran, and with which piece."""
-
-    def __init__(self, monkeypatch):
-        self.names = []
-        inference, train = ttt_op.ttt_inference, ttt_op.TTTCore
-        monkeypatch.setattr(ttt_op, 'ttt_inference',
-                            lambda *a: self.names.append(('inference', a[-1])) or inference(*a))
-        monkeypatch.setattr(ttt_op, 'TTTCore', types.SimpleNamespace(
-            apply=lambda *a: self.names.append(('train', a[-1])) or train.apply(*a)))
+def _Calls(monkeypatch):
+    return record_calls(monkeypatch, ttt_op, ttt_inference='inference', TTTCore='train')
 
 
 @pytest.mark.parametrize('devices,piece', [(('cpu',), 2 * 4 * 8), (('cuda',), None)])
@@ -249,7 +240,7 @@ def test_pieces_only_on_the_policys_devices(monkeypatch, devices, piece):
     out.sum().backward()
     with torch.no_grad():
         torch.testing.assert_close(m.eval()(x, HW, rot), out, rtol=1e-10, atol=1e-12)
-    assert calls.names == [('train', piece), ('inference', piece)]
+    assert calls.names == ['train', 'inference'] and [a[-1] for _, a in calls] == [piece, piece]
 
 
 def test_eval_with_grad_train_under_no_grad_and_export_take_the_reference(monkeypatch):

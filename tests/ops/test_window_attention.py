@@ -13,7 +13,7 @@ from mmplugin_l2.models.ops import INFERENCE, Path
 from mmplugin_l2.models.ops.memory import MemoryPolicy, set_memory_policy
 from mmplugin_l2.models.ops.window_attention import padding_key_mask, window_attention
 from mmplugin_l2.models.ops.window_attention.naive import window_attention_naive, window_msa_naive
-from ops.harness import assert_matches_naive
+from ops.harness import assert_matches_naive, record_calls
 
 
 def _naive(m, hw, mask):
@@ -78,26 +78,23 @@ def test_inference_pieces_under_autocast(dtype, mask_padding):
 
 # ---------------------------------------------------------------- the layer's dispatch
 def _recording(monkeypatch):
-    names = []
-    inner = wa_op.window_attention_in_pieces
-    monkeypatch.setattr(wa_op, 'window_attention_in_pieces', lambda *a: names.append('inference') or inner(*a))
-    return names
+    return record_calls(monkeypatch, wa_op, window_attention_in_pieces='inference')
 
 
 @pytest.mark.parametrize('devices,pieces', [(('cpu',), True), (('cuda',), False)])
 def test_pieces_only_on_the_policys_devices(monkeypatch, devices, pieces):
-    names = _recording(monkeypatch)
+    calls = _recording(monkeypatch)
     m = _attn(True).eval()
     set_memory_policy(m, MemoryPolicy(max_elems=1, devices=devices))
     x = torch.randn(2, 9 * 10, 16, dtype=torch.float64)
     with torch.no_grad():
         out = m(x, (9, 10))
     torch.testing.assert_close(out, _naive(m, (9, 10), _mask(m, (9, 10), 2))(x), rtol=1e-10, atol=1e-12)
-    assert names == (['inference'] if pieces else [])
+    assert calls.names == (['inference'] if pieces else [])
 
 
 def test_eval_with_grad_and_training_take_the_reference(monkeypatch):
-    names = _recording(monkeypatch)
+    calls = _recording(monkeypatch)
     m = _attn()
     set_memory_policy(m, MemoryPolicy(max_elems=1))
     x = torch.randn(2, 9 * 10, 16, dtype=torch.float64, requires_grad=True)
@@ -105,7 +102,7 @@ def test_eval_with_grad_and_training_take_the_reference(monkeypatch):
     with torch.no_grad():
         m.train()(x, (9, 10))
     m(x, (9, 10))
-    assert names == [] and x.grad.abs().sum() > 0
+    assert calls.names == [] and x.grad.abs().sum() > 0
 
 
 def test_state_dict_keys():
