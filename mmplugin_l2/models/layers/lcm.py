@@ -3,7 +3,8 @@ restored by two depth-wise convolutions on the token map.
 
     LCM(x) = DWConv_k(BN2d(GELU(DWConv_k(x))))        (k = 7 in L2ViT; keys `conv1`, `bn`, `conv2`)
 
-Tokens (B, N, C) of an (H, W) map in, (B, N, C) out. No internal residual: the block adds it
+Tokens (B, N, C) of an (H, W) map in, (B, N, C) out. The maths: `ops/conv/naive.py` (`lcm_naive`, the paper's
+Eqs. 6-7). No internal residual: the block adds it
 (x = x + LCM(LN(x))). The chain is the op `ops.conv.conv_chain`: at inference on large maps, the pre-norm
 included, in bands of rows (halo rows recomputed; same values) as `ops.dispatch.choose` says: neither the
 LayerNorm output nor the three intermediate maps are built whole.

@@ -5,7 +5,8 @@ Per head h, with q, k, v (N, d) from one Linear(C, 3C) of the tokens (B, N, C):
     Q = ReLU(q), K = ReLU(k)                                   (kernel feature map; V stays raw)
     out_i = Q_i (K^T V) t_h / max(Q_i . sum_j K_j, 100)
 
-then the heads merged and projected, Linear(C, C): (B, N, C) in, (B, N, C) out.
+then the heads merged and projected, Linear(C, C): (B, N, C) in, (B, N, C) out. The maths:
+`ops/linear_attention/naive.py` (`linear_attention_naive`: the N x N attention matrix written out).
 
 * t_h is the learnable per-head multiplier `temperature` (heads, 1, 1), initialised to d^-0.5; it scales
   K^T V only, not the denominator (the paper's "s" is its reciprocal).

@@ -3,7 +3,8 @@
     Mlp(x)     = fc2(act(fc1(x)))                                (ViT3, L2ViT, ResT)
     ConvMlp(x) = fc2(act(u + DWConv3x3(u))),  u = act(fc1(x))    (H-ViT3; act twice, as the authors)
 
-with act the exact GELU by default (`act_cfg`). Tokens (B, N, C) in and out. The op is `ops.mlp`
+with act the exact GELU by default (`act_cfg`). Tokens (B, N, C) in and out. The maths: `ops/mlp/naive.py`
+(`mlp_naive`, `conv_mlp_naive`). The op is `ops.mlp`
 (reference, inference in pieces, closed-form training functions), chosen once per forward by
 `ops.dispatch.choose`; `recompute=True` takes the training functions (or the reference recomputed in
 backward where they do not apply).
