@@ -135,22 +135,34 @@ class HViT3(PyramidBackbone):
 
     def forward(self, x):
         x = self.patch_embed(x)
-        hw = tuple(x.shape[-2:])
-        x = self.pos_drop(map_to_tokens(x))
         outs = []
         for i, stage in enumerate(self.layers):
             if i:
                 stage_boundary()
-            rope = rope_tables(*hw, x.shape[-1], device=x.device)
-            for block in stage.blocks:
-                x = self.run_block(block, x, hw, rope)
-            if i in self.out_indices:
-                outs.append(self.stage_output(i, x, hw))
-            if stage.downsample is not None:
-                x = stage.downsample(tokens_to_map(x, hw))
-                hw = tuple(x.shape[-2:])
-                x = map_to_tokens(x)
+            x = self._forward_stage(i, stage, x, outs)
         return tuple(outs)
+
+    def _forward_stage(self, i, stage, x, outs):
+        """Stage i on the map x (B, C, H, W): its blocks on the tokens, `stage_output` appended to `outs` when i
+        is an output index; returns the downsampled map (B, C', ceil(H / 2), ceil(W / 2)), or None after the
+        last stage.
+
+        A stage starts from a map, not from tokens and a separate (H, W): under torch.compile(dynamic=True) H
+        and W are then the map's sizes and the token count is H * W. With (H, W) as separate integers inductor
+        (torch 2.14) fails to order the strides of the token map's views ("cannot determine truth value of
+        Relational"), docs/deployment.md."""
+        hw = tuple(x.shape[-2:])
+        x = map_to_tokens(x)
+        if i == 0:
+            x = self.pos_drop(x)
+        rope = rope_tables(*hw, x.shape[-1], device=x.device)
+        for block in stage.blocks:
+            x = self.run_block(block, x, hw, rope)
+        if i in self.out_indices:
+            outs.append(self.stage_output(i, x, hw))
+        if stage.downsample is None:
+            return None
+        return stage.downsample(tokens_to_map(x, hw))
 
     def keys_not_in_pretrained(self):
         return [k for k in self.state_dict() if k.split('.')[0] in {f'norm{i}' for i in self.out_indices}]

@@ -8,6 +8,13 @@ recomputation. Same values and gradients; less memory for more backward time.
 matrix products and of the fused attention kernel (`PRODUCTS`) are kept from the forward, everything else
 (LayerNorm, reshapes, window partitions, elementwise ops) is recomputed. The recomputation then costs
 about no multiply-adds and allocates little, for keeping the product outputs.
+
+Under `torch.compile` (mmengine's `compile=True` compiles the model's forward) the checkpointed function is
+traced once; the compiler then decides from the traced graph what backward recomputes, and a BatchNorm's
+running-statistics update is a mutation of its buffers in the forward graph, done once and never part of a
+recomputation. There the BN freezer (a Python context manager, which torch.compile refuses as `context_fn`:
+it accepts only the two `TorchDispatchMode`s of selective checkpointing) is neither needed nor passed
+(`_bn_context_fn`).
 """
 import contextlib
 from functools import partial
@@ -43,12 +50,39 @@ def _contexts(module):
     return contextlib.nullcontext(), _frozen_bn_statistics(module)
 
 
+def _updates_bn_statistics(module):
+    """Whether running `module` updates BatchNorm running statistics: it holds a train-mode BatchNorm that
+    tracks them."""
+    return any(isinstance(m, _BatchNorm) and m.training and m.track_running_stats for m in module.modules())
+
+
+def _bn_context_fn(module):
+    """The `context_fn` that keeps `module`'s BatchNorm statistics from being updated again in the
+    recomputation, or None where none is needed: no module, no train-mode BatchNorm in it, or under
+    torch.compile (see the module docstring)."""
+    if module is None or torch.compiler.is_compiling() or not _updates_bn_statistics(module):
+        return None
+    return partial(_contexts, module)
+
+
 _aten = torch.ops.aten
-#: ops whose outputs `keep_products` keeps for backward instead of recomputing them
-PRODUCTS = frozenset({_aten.addmm.default, _aten.mm.default, _aten.bmm.default,
-                      _aten._scaled_dot_product_flash_attention_for_cpu.default,
-                      _aten._scaled_dot_product_flash_attention.default,
-                      _aten._scaled_dot_product_efficient_attention.default})
+
+
+def _sdpa_kernels():
+    """The forward kernels of F.scaled_dot_product_attention that this torch build has (every backend, every
+    overload): the math fallback, flash (CUDA, CPU; `quantized`), memory-efficient, cuDNN, MPS and the
+    overridable fused kernel of other devices."""
+    names = ('_scaled_dot_product_attention_math', '_scaled_dot_product_attention_math_for_mps',
+             '_scaled_dot_product_flash_attention', '_scaled_dot_product_flash_attention_for_cpu',
+             '_scaled_dot_product_efficient_attention', '_scaled_dot_product_cudnn_attention',
+             '_scaled_dot_product_fused_attention_overrideable')
+    packets = [getattr(_aten, n) for n in names if hasattr(_aten, n)]
+    return {getattr(p, o) for p in packets for o in p.overloads()}
+
+
+#: ops whose outputs `keep_products` keeps for backward instead of recomputing them: the matrix products and
+#: every fused attention kernel
+PRODUCTS = frozenset({_aten.addmm.default, _aten.mm.default, _aten.bmm.default} | _sdpa_kernels())
 
 
 def _keep_products(ctx, op, *args, **kwargs):
@@ -63,7 +97,8 @@ def checkpointed(fn, *args, enabled=True, module=None, keep_products=False):
         if keep_products:
             kw = dict(context_fn=partial(cp.create_selective_checkpoint_contexts, _keep_products))
         else:
-            kw = {} if module is None else dict(context_fn=partial(_contexts, module))
+            context_fn = _bn_context_fn(module)
+            kw = {} if context_fn is None else dict(context_fn=context_fn)
         return cp.checkpoint(fn, *args, use_reentrant=False, **kw)
     return fn(*args)
 

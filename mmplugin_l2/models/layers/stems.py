@@ -21,7 +21,7 @@ from ..ops.conv import ConvBNAct, conv_chain
 from ..ops.export import exporting
 from ..ops.memory import DEFAULT_POLICY
 from .pa import PA
-from .tokens import map_to_tokens, pad_to_multiple, tokens_to_map
+from .tokens import compiled_map, map_to_tokens, pad_to_multiple, padding_to_multiple, tokens_to_map
 
 
 def _conv_chain(module, layers, x):
@@ -82,8 +82,9 @@ class ConvDownsample(nn.Module):
 
     def forward(self, x):
         h, w = x.shape[-2:]
-        if exporting() or h % 2 or w % 2:
-            x = F.pad(x.permute(0, 2, 3, 1), (0, 0, 0, w % 2, 0, h % 2)).permute(0, 3, 1, 2)
+        pad_h, pad_w = padding_to_multiple(h, 2), padding_to_multiple(w, 2)
+        if exporting() or pad_h or pad_w:
+            x = compiled_map(F.pad(x.permute(0, 2, 3, 1), (0, 0, 0, pad_w, 0, pad_h)).permute(0, 3, 1, 2))
         return _conv_chain(self, self.conv, x)
 
     memory_policy = DEFAULT_POLICY

@@ -13,10 +13,21 @@ def check_token_count(n, hw_shape):
 
 
 def tokens_to_map(x, hw_shape):
-    """(B, N, C) tokens -> (B, C, H, W) map (a channels-last view of the tokens when they are contiguous)."""
+    """(B, N, C) tokens -> (B, C, H, W) map (a channels-last view of the tokens when they are contiguous;
+    under torch.compile a copy, see `compiled_map`)."""
     b, n, c = x.shape
     check_token_count(n, hw_shape)
-    return x.transpose(1, 2).reshape(b, c, *hw_shape)
+    return compiled_map(x.transpose(1, 2).reshape(b, c, *hw_shape))
+
+
+def compiled_map(x):
+    """x (B, C, H, W) unchanged, except under torch.compile: there a contiguous copy when x is a view of another
+    layout. Inductor (torch 2.14) keeps the strides of a view that autograd saves for backward (a conv's input)
+    by sorting them with plain sympy comparisons, which fail for sizes made symbolic by `dynamic=True`
+    ("cannot determine truth value of Relational: 16*s0*s1 < 16", docs/deployment.md); a copy is no view."""
+    if torch.compiler.is_compiling() and not x.is_contiguous():
+        return x.contiguous()
+    return x
 
 
 def map_to_tokens(x):
@@ -29,10 +40,19 @@ def tokens_conv(fn, x, hw_shape):
     return map_to_tokens(fn(tokens_to_map(x, hw_shape)))
 
 
+def padding_to_multiple(n, multiple):
+    """How much n (an int or a traced size) must grow to become a multiple of `multiple`: (-n) mod multiple,
+    written with floor division only. A Python `%` on a traced size becomes sympy's `PythonMod`, which
+    torch.compile's inductor (torch 2.14) cannot evaluate when the size later reaches a float, e.g. the
+    n / (n - 1) of a training BatchNorm's running variance (`TensorReferenceAnalysis` has no `python_mod`,
+    docs/deployment.md); floor division it can."""
+    return (n + multiple - 1) // multiple * multiple - n
+
+
 def pad_to_multiple(x, multiple):
     """Zero-pad an NCHW tensor on the right/bottom so that H and W are multiples of `multiple`."""
     h, w = x.shape[-2:]
-    pad_h, pad_w = (-h) % multiple, (-w) % multiple
+    pad_h, pad_w = padding_to_multiple(h, multiple), padding_to_multiple(w, multiple)
     if exporting() or pad_h or pad_w:  # exporting: one graph for every size, a zero pad is a no-op
         x = F.pad(x, (0, pad_w, 0, pad_h))
     return x

@@ -16,17 +16,21 @@ and the windows are put back and cropped to H x W: (B, N, C) in, (B, N, C) out.
   sizes that are not multiples of w. Every window holds at least one real token (padding < w).
 * The softmax attention is torch's fused `F.scaled_dot_product_attention`: the (nW, heads, w*w, w*w)
   probability matrix is never stored. It equals the explicit softmax(q k^T * scale) v to float rounding.
+  Above `MAX_SDPA_BATCH_HEADS` (windows of all images) x heads, CUDA's launch limit, the windows go through
+  it in consecutive slices (`ops.window_attention.sdpa_in_slices`; L2ViT-T at 2048x2048, batch 8: 43808
+  windows x 3 heads in stage 1).
 
 The windowing is the op `ops.window_attention` (the whole map, or pieces of window rows at inference),
 chosen once per forward by `ops.dispatch.choose`.
 """
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..ops import choose
 from ..ops.export import exporting
 from ..ops.memory import DEFAULT_POLICY
-from ..ops.window_attention import padding_key_mask, window_attention, window_partition, window_reverse
+from ..ops.window_attention import (padding_key_mask, sdpa_in_slices, window_attention, window_partition,
+                                    window_reverse)
+from .tokens import padding_to_multiple
 
 __all__ = ['WindowAttention', 'padding_key_mask', 'window_partition', 'window_reverse']
 
@@ -68,14 +72,14 @@ class WindowAttention(nn.Module):
         # q, k, v as views of the qkv output: their gradients stack back into its layout in one copy
         q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(bw, n, 3, self.num_heads, -1).unbind(2))
         keep = None if key_mask is None else ~key_mask[:, None, None, :]   # SDPA: True = attend
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=self.scale)
+        out = sdpa_in_slices(q, k, v, attn_mask=keep, scale=self.scale)
         return self.proj(out.transpose(1, 2).reshape(bw, n, c))
 
     def forward(self, x, hw_shape, norm=None):
         b, _, c = x.shape
         h, w = hw_shape
         ws = self.window_size
-        hp, wp = h + (-h) % ws, w + (-w) % ws
+        hp, wp = h + padding_to_multiple(h, ws), w + padding_to_multiple(w, ws)
         key_mask = None
         if self.mask_padding and (exporting() or (hp, wp) != (h, w)):
             key_mask = padding_key_mask((h, w), (hp, wp), ws, x.device).repeat(b, 1)

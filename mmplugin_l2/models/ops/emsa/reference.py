@@ -20,13 +20,16 @@ nothing is left). The same function is computed here without that cancellation:
   run in the input dtype. Nothing depends on the autocast state, so a forward and its recomputation in
   backward see the same dtypes on every device.
 
-The single-head form (a plain softmax) is already well-conditioned; it takes the centred keys too. In
-float64 both forms equal the authors' code to rounding (tests/test_rest.py).
+The single-head form (a plain softmax) is already well-conditioned; it takes the centred keys too, and on
+whole maps it is torch's fused `F.scaled_dot_product_attention` (`fused_softmax_attention`; the map is not
+stored, and on CUDA one kernel computes it). In float64 both forms equal the authors' code to rounding
+(tests/test_rest.py).
 
 The helpers are shared with the fast paths. Where nothing records autograd and nothing is exported, their
 elementwise steps run in place (the same values, one map-sized buffer).
 """
 import torch
+import torch.nn.functional as F
 
 from ..dtypes import autocast_off, compute_dtype
 from ..export import exporting
@@ -111,6 +114,14 @@ def apply_map(a, v, scale=None):
     return a.to(v.dtype) @ v
 
 
+def fused_softmax_attention(q, kc, v):
+    """Whether the single-head form softmax(q kc^T * scale) @ v runs as torch's fused
+    `F.scaled_dot_product_attention` (the same function; the (B, h, N, N') map is never stored): q, kc, v of
+    one dtype, and not traced by `torch.jit.trace` (the FLOPs counter's tracer counts the written-out matrix
+    products, not the fused kernel; the TorchScript ONNX export keeps the written-out graph too)."""
+    return q.dtype == kc.dtype == v.dtype and not torch.jit.is_tracing()
+
+
 def naive_emsa_attention(q, k, v, scale, transform_conv=None, eps=1e-5, attn_drop=None):
     """A @ v on the whole (B, h, N, N') map.
 
@@ -128,7 +139,10 @@ def naive_emsa_attention(q, k, v, scale, transform_conv=None, eps=1e-5, attn_dro
     """
     with autocast_off(q.device.type):
         if transform_conv is None:
-            a = softmax_map(q, centred_keys(k), scale)
+            kc = centred_keys(k)
+            if attn_drop is None and fused_softmax_attention(q, kc, v):
+                return F.scaled_dot_product_attention(q, kc, v, scale=scale)
+            a = softmax_map(q, kc, scale)
             if attn_drop is not None:
                 a = attn_drop(a)
             return apply_map(a, v)

@@ -2,14 +2,14 @@
 (inference in pieces of tokens, without autograd), `train` (`TTTCore`: closed-form backward, pieces of tokens).
 `ttt_attention` dispatches between them."""
 from ..dispatch import INFERENCE, TRAIN
-from .pieces import ttt_core_fused, ttt_core_pieces, ttt_inference
+from .pieces import proj_input, ttt_core_fused, ttt_core_pieces, ttt_inference
 from .reference import (dwconv_inner_grad, dwconv_per_sample, normalize_inner_grad, swiglu_inner_grads, tap_sums,
                         ttt_core)
 from .train import TTTCore, ttt_core_backward
 
 __all__ = ['TTTCore', 'dwconv_inner_grad', 'dwconv_per_sample', 'normalize_inner_grad', 'swiglu_inner_grads',
-           'tap_sums', 'ttt_attention', 'ttt_core', 'ttt_core_backward', 'ttt_core_fused', 'ttt_core_pieces',
-           'ttt_inference']
+           'proj_input', 'tap_sums', 'ttt_attention', 'ttt_core', 'ttt_core_backward', 'ttt_core_fused',
+           'ttt_core_pieces', 'ttt_inference']
 
 
 def ttt_attention(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, path):
@@ -37,4 +37,4 @@ def ttt_attention(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr,
         return ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, path.piece)
     args = (qkv(x), rot, w1, w2, w3, hw_shape, num_heads, scale, lr)
     y = TTTCore.apply(*args, path.piece) if path.impl == TRAIN else ttt_core(*args)
-    return proj(y.to(proj.weight.dtype))
+    return proj(proj_input(y, proj))

@@ -11,8 +11,18 @@ import torch
 import torch.nn.functional as F
 
 from ...layers.rope import apply_rope, rope_heads
+from ..dtypes import autocast_on
 from .reference import (conv_head, fast_weights, heads, normalized_swiglu_grad, split_qkv, swiglu_dz,
                         swiglu_grad_pair, swiglu_readout, token_sum_matmul)
+
+
+def proj_input(y, proj):
+    """The TTT core's output y (B, N, C + d) as the input of the output projection `proj`: unchanged under
+    autocast (which runs `proj` in its own dtype: y is already in it, or is cast once by `proj`), else in the
+    weights' dtype (half weights whose core output is fp32 after RoPE)."""
+    if autocast_on(y.device.type):
+        return y
+    return y.to(proj.weight.dtype)
 
 
 def _qkv_heads(q1, k1, v1, rot, num_heads):
@@ -136,7 +146,7 @@ def ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr,
         return F.linear(x[:, i0:i1], qkv.weight[rows[part]], None if qkv.bias is None else qkv.bias[rows[part]])
 
     def emit(i0, i1, y):
-        y = proj(y.to(proj.weight.dtype))
+        y = proj(proj_input(y, proj))
         if not out:
             out.append(y.new_empty(b, n, y.shape[-1]))
         out[0][:, i0:i1] = y

@@ -2,10 +2,11 @@
 `pieces` (inference in pieces of window rows). `window_attention` dispatches between them."""
 from ..dispatch import INFERENCE
 from .pieces import window_attention_in_pieces
-from .reference import padding_key_mask, window_attention_reference, window_partition, window_reverse
+from .reference import (MAX_SDPA_BATCH_HEADS, padding_key_mask, sdpa_batch_slices, sdpa_in_slices,
+                        window_attention_reference, window_partition, window_reverse)
 
-__all__ = ['padding_key_mask', 'window_attention', 'window_attention_in_pieces', 'window_attention_reference',
-           'window_partition', 'window_reverse']
+__all__ = ['MAX_SDPA_BATCH_HEADS', 'padding_key_mask', 'sdpa_batch_slices', 'sdpa_in_slices', 'window_attention',
+           'window_attention_in_pieces', 'window_attention_reference', 'window_partition', 'window_reverse']
 
 
 def window_attention(path, x, hw_shape, window_size, attend, key_mask=None, norm=None):

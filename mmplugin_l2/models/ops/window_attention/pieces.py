@@ -7,6 +7,7 @@ padded map is built whole.
 import torch
 import torch.nn.functional as F
 
+from ...layers.tokens import padding_to_multiple
 from .reference import window_partition, window_reverse
 
 
@@ -28,7 +29,7 @@ def window_attention_in_pieces(x, hw_shape, window_size, attend, key_mask, piece
     b, n, c = x.shape
     h, w = hw_shape
     ws = window_size
-    hp, wp = h + (-h) % ws, w + (-w) % ws
+    hp, wp = h + padding_to_multiple(h, ws), w + padding_to_multiple(w, ws)
     x = x.view(b, h, w, c)
     rows = max(1, piece // (b * ws * wp * c)) * ws
     out = torch.empty_like(x, memory_format=torch.contiguous_format)

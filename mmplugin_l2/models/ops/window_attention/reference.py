@@ -7,7 +7,45 @@ attention (every window holds at least one real token: the padding is less than 
 import torch
 import torch.nn.functional as F
 
+from ...layers.tokens import padding_to_multiple
 from ..export import exporting
+
+#: most (window, head) pairs one `F.scaled_dot_product_attention` call takes: CUDA's limit on gridDim.y and
+#: gridDim.z (65535 blocks); the flash and memory-efficient SDPA kernels launch the batch (here the windows of
+#: all images) or batch x heads on one of those axes, and fail to launch above it
+MAX_SDPA_BATCH_HEADS = 65535
+
+
+def sdpa_batch_slices(batch, heads):
+    """Consecutive slices of a batch of `batch` windows, each of at most MAX_SDPA_BATCH_HEADS // heads windows
+    (one slice when the whole batch fits; while exporting one graph for every size, always one)."""
+    per = max(1, MAX_SDPA_BATCH_HEADS // heads)
+    compiling = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+    if (exporting() and not compiling) or batch <= per:
+        return [slice(None)]
+    return [slice(i, min(i + per, batch)) for i in range(0, batch, per)]
+
+
+def sdpa_in_slices(q, k, v, attn_mask=None, scale=None):
+    """F.scaled_dot_product_attention(q, k, v, attn_mask, scale=scale) for q, k, v (B', heads, n, d), in
+    consecutive slices of the batch (`sdpa_batch_slices`) when one call would exceed CUDA's launch limits.
+
+    Args:
+        q (Tensor): queries (B', heads, n, d).
+        k (Tensor): keys (B', heads, n, d).
+        v (Tensor): values (B', heads, n, d).
+        attn_mask (Tensor | None): bool (B', 1, 1, n) or (B', 1, n, n), True = attend. Default: None.
+        scale (float | None): the logits' scale. Default: None (d^-0.5).
+
+    Returns:
+        Tensor: (B', heads, n, d); the slices' outputs concatenated, the same values as one call.
+    """
+    slices = sdpa_batch_slices(q.shape[0], q.shape[1])
+    if len(slices) == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+    return torch.cat([F.scaled_dot_product_attention(q[s], k[s], v[s], scale=scale,
+                                                     attn_mask=None if attn_mask is None else attn_mask[s])
+                      for s in slices])
 
 
 def window_partition(x, window_size):
@@ -52,7 +90,7 @@ def window_attention_reference(x, hw_shape, window_size, attend, key_mask=None):
     b, n, c = x.shape
     h, w = hw_shape
     ws = window_size
-    pad_b, pad_r = (-h) % ws, (-w) % ws
+    pad_b, pad_r = padding_to_multiple(h, ws), padding_to_multiple(w, ws)
     padded = exporting() or pad_b or pad_r   # exporting: one graph for every size (zero pads are no-ops)
     hp, wp = h + pad_b, w + pad_r
     x = x.view(b, h, w, c)
