@@ -4,6 +4,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import ROOT
@@ -336,6 +337,75 @@ def test_authors_import_glue_parity_and_worker(tmp_path, monkeypatch):
         authors.check_size('rest_s', (224, 200))
     authors.check_size('rest_s', (800, 1343))
     authors.check_size('hvit3_t', (200, 201))
+
+
+# ---- the measuring core (mmplugin_l2/analysis/measure.py) ----------------------------------------------------
+
+def test_timer_counts_warmup_and_timed_calls_and_reports_milliseconds():
+    from mmplugin_l2.analysis import measure
+    calls = []
+    times = measure.time_calls(lambda: (calls.append(1), time.sleep(0.02)), 'cpu', warmup=2, iters=3)
+    assert len(calls) == 5 and len(times) == 3 and all(15 < t < 500 for t in times), times
+    assert measure.stats([3., 1., 2.]) == dict(median=2., min=1., max=3.)
+
+
+def test_peak_memory_sees_a_new_peak_and_nothing_below_an_earlier_one():
+    """In a fresh process: an allocation of 256 MB inside the `with` is its peak; a second, smaller one stays
+    below the process's peak and is not measurable (None)."""
+    code = ('import torch\nfrom mmplugin_l2.analysis.measure import PeakMemory\n'
+            'with PeakMemory("cpu") as a:\n x = torch.ones(64 * 2**20); del x\n'
+            'with PeakMemory("cpu") as b:\n y = torch.ones(2**20); del y\nprint(a.mb, b.mb)')
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
+    first, second = r.stdout.split()
+    assert 230 < float(first) < 300 and second == 'None', r.stdout + r.stderr
+
+
+def test_precision_settings_and_their_restore():
+    import torch
+    from mmplugin_l2.analysis.measure import precision
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    lin, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    with precision('bf16', 'cpu'):
+        assert lin(x).dtype == torch.bfloat16 and not torch.backends.cudnn.allow_tf32
+    with precision('tf32', 'cpu'):
+        assert lin(x).dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == saved
+    with pytest.raises(ValueError, match='allowed: fp32, tf32, bf16, fp16'):
+        with precision('fp8', 'cpu'):
+            pass
+
+
+def test_training_step_and_gradients_with_and_without_a_grad_scaler():
+    """`train_steps` times `iters` full steps (the optimizer does move the weights); `gradients` under a
+    GradScaler returns the unscaled gradients, equal to those without it."""
+    import torch
+    from mmplugin_l2.analysis import measure
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.GELU())
+    x = torch.randn(2, 3, 8, 8)
+    before = model[0].weight.detach().clone()
+    steps, mem = measure.train_steps(model, x, warmup=1, iters=2, memory=False)
+    assert len(steps) == 2 and mem is None and not torch.equal(before, model[0].weight)
+    assert all(abs(s['total_ms'] - s['forward_ms'] - s['backward_ms'] - s['optimizer_ms']) < 1e-6 for s in steps)
+    loss, plain = measure.gradients(model, x)
+    loss_s, scaled = measure.gradients(model, x, scaler=torch.amp.GradScaler('cpu', init_scale=1024.))
+    assert torch.equal(loss, loss_s) and set(plain) == {'0.weight', '0.bias'}
+    for k in plain:
+        assert torch.allclose(scaled[k], plain[k], rtol=1e-6, atol=0), k
+    assert loss.item() == pytest.approx(sum(o.pow(2).mean() for o in [model(x)]).item())
+
+
+def test_fresh_process_runner_keeps_results_printed_before_a_failure():
+    from mmplugin_l2.analysis.measure import failure_line, run_fresh
+    code = ('from mmplugin_l2.analysis.measure import emit\nimport time, sys\nemit({"a": 1})\n'
+            'mode = sys.argv[1]\nif mode == "raise": raise KeyError("boom")\n'
+            'if mode == "hang": time.sleep(60)\nemit({"b": 2})')
+    assert run_fresh(['-c', code, 'ok']) == ([{'a': 1}, {'b': 2}], None)
+    res, fail = run_fresh(['-c', code, 'raise'])
+    assert res == [{'a': 1}] and fail.startswith('exit status 1\n') and 'Traceback' in fail
+    assert failure_line(fail) == "KeyError: 'boom'"
+    res, fail = run_fresh(['-c', code, 'hang'], timeout=5)
+    assert res == [{'a': 1}] and failure_line(fail) == 'timed out after 5 s'
 
 
 # ---- roofline (tools/analysis/roofline.py) ------------------------------------------------------------

@@ -270,9 +270,21 @@ def traveling_copy(dest):
     return dest
 
 
+#: the parts' rows the rehearsal below checks
+OURS = ['hvit3_t', 'vit3_t', 'l2vit_t', 'rest_s']
+PRECISIONS = ['fp32', 'tf32', 'bf16']
+
+
+def _rehearsal_args(out):
+    return ['--out-dir', str(out), '--device', 'cpu', '--tiny', '--parity-size', '64', '--amp-size', '64x96',
+            '--headline', '64/b1', '--detection', '64x96/b2', '--warmup', '0', '--iters', '1']
+
+
 def test_device_check_runs_as_on_the_gpu_machine(carry, tmp_path):
-    """device_check.sh --carry on the CPU from a copy of what travels: every part finishes, from the machine's
-    packages plus the carry."""
+    """device_check.sh --carry on the CPU (--tiny) from a copy of what travels, with the machine's packages plus
+    the carry: every part's row of every model (preflight forwards, eval parity and gradients of both training
+    paths against float64, bf16 and fp16 AMP steps, speed of ViT3-T vs DeiT-T and the pyramids vs Swin-T in
+    each precision, in the benchmark's format)."""
     py, env = device_like_env(tmp_path)
     repo = traveling_copy(tmp_path / 'repo')
     assert not (repo / 'mmplugin_l2/.mim').exists()
@@ -280,41 +292,59 @@ def test_device_check_runs_as_on_the_gpu_machine(carry, tmp_path):
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.stdout.strip() == 'ok', r.stdout + r.stderr  # the system's mmengine is out of sight
     out = tmp_path / 'dc'
-    r = subprocess.run(['bash', 'tools/analysis/device_check.sh', '--carry', str(carry[0]), '--out-dir',
-                        str(out), '--budget', '1800', '--device', 'cpu', '--tiny', '--parity-size', '64',
-                        '--amp-size', '64x96', '--bench', '64/b1', '64x96/b2', '--warmup', '0', '--iters', '1'],
+    t = time.time()
+    r = subprocess.run(['bash', 'tools/analysis/device_check.sh', '--carry', str(carry[0]), '--budget', '1800',
+                        '--preflight-s', '120', *_rehearsal_args(out)],
                        capture_output=True, text=True, cwd=repo, env=dict(env, PYTHON=py), timeout=2400)
+    print(f'rehearsal: {time.time() - t:.0f} s')
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((out / 'device_check.json').read_text())
-    assert res['complete'] and list(res['parts']) == ['env', 'parity', 'amp', 'sync', 'latency', 'train']
-    assert not [p for p, v in res['parts'].items() if 'error' in v], res['parts']
+    assert res['complete'] and list(res['parts']) == ['preflight', 'parity', 'amp', 'sync', 'speed']
+    failed = [(p, k) for p, v in res['parts'].items() for k, row in v['rows'].items() if 'error' in row]
+    assert not failed and not os.path.exists(out / 'errors'), failed
     env_ = res['env']
     assert env_['mmengine_path'].startswith(env['SITE']) and env_['mmcv_path'].startswith(env['SITE'])
     assert env_['mmengine'] == '0.10.7' and env_['mmcv'] == '2.1.0' and env_['executable'] == py
     assert env_['mmplugin_l2_path'] == str(repo / 'mmplugin_l2')
     assert env_['backbones_import'] == []  # neither mmdet nor mmcv's compiled ops
-    assert env_['mmdet'].startswith('unavailable') and env_['swin_source'].startswith('timm')
-    models = ['hvit3_t', 'vit3_t', 'l2vit_t', 'rest_s']
-    assert list(res['parts']['parity']) == models
-    for n in models:
-        p = res['parts']['parity'][n]
-        assert len(p['fp32']) == (1 if n == 'vit3_t' else 4) and p['ok']
-        assert max(p['fp32']) < 1e-4  # fp32 vs float64 on the same CPU
-        for dt in ('fp16', 'bf16'):
-            a = res['parts']['amp'][n][dt]
-            assert a['finite'] and len(a['rel_l2']) == len(p['fp32']) and 0 < max(a['rel_l2']) < 0.1
-    assert 'skipped' in res['parts']['sync']
-    benched = ['hvit3_t', 'l2vit_t', 'rest_s']
-    for spec in ('64/b1', '64x96/b2'):
-        lat = res['parts']['latency'][spec]
-        assert set(lat) == set(benched) | {'swin_t'} and all(v['median_ms'] > 0 for v in lat.values())
-        tr = res['parts']['train'][spec]
-        assert {'hvit3_t', 'hvit3_t[cp]', 'hvit3_t[norecompute]', 'l2vit_t[norecompute+cp]', 'rest_s[cp]',
-                'swin_t'} <= set(tr)
-        assert all('error' not in v and v['step_ms'] > 0 and v['peak_mem_mb'] is None for v in tr.values()), tr
+    assert env_['mmdet'].startswith('unavailable') and env_['mmpretrain'].startswith('unavailable')
+    forward = res['parts']['preflight']['rows']['all']['forward']
+    assert forward['swin_t'].startswith('not tried: mmdet') and forward['deit_t'].startswith('not tried: mmpretrain')
+    assert all(forward[m] is True for m in OURS + ['swin_t_timm', 'deit_t_timm']), forward
+    parity, amp = res['parts']['parity']['rows'], res['parts']['amp']['rows']
+    assert list(parity) == OURS and list(amp) == OURS
+    for n in OURS:
+        p = parity[n]
+        assert len(p['eval']['fp32']) == (1 if n == 'vit3_t' else 4) and p['eval']['ok']
+        assert 0 < max(p['eval']['fp32']) < 1e-4  # fp32 vs float64 on the same CPU
+        for path in ('fast', 'plain'):
+            g = p[f'grad_{path}']
+            assert g['ok'] and 0 < g['max_rel_max'] < 1e-2 and 0 < g['rel_l2'] < 1e-5 and g['loss'] < 1e-5, g
+            assert g['worst'].endswith(('weight', 'bias')) or '.' in g['worst'], g
+        for prec in ('bf16', 'fp16'):
+            a = amp[n][prec]
+            assert a['loss_finite'] and a['grads_finite'] and a['params_finite'], (n, prec, a)
+            assert 0 < a['rel_l2'] < 0.5 and a['worst'], (n, prec, a)  # autocast did change the arithmetic
+        assert amp[n]['fp16']['scale'] > 0 and amp[n]['fp16']['skipped_steps'] < 16
+    assert 'skipped' in res['parts']['sync'] and not res['parts']['sync']['rows']
+    speed = res['parts']['speed']['rows']
+    assert list(speed) == ['vit3_t 64/b1', 'deit_t_timm 64/b1', 'hvit3_t 64x96/b2', 'l2vit_t 64x96/b2',
+                           'rest_s 64x96/b2', 'swin_t_timm 64x96/b2']
+    for job, row in speed.items():
+        got = {(s['precision'], s['kind']) for s in row['samples']}
+        assert got == {(p, k) for p in PRECISIONS for k in ('infer', 'train')}, (job, got)
+        for s in row['samples']:
+            assert 'error' not in s and s['model'] == job.split()[0], s
+            assert (s['latency_ms'] > 0 and s['throughput'] > 0) if s['kind'] == 'infer' else s['step_ms'] > 0
+    from mmplugin_l2.analysis import benchmark as bm
+    for prec in PRECISIONS:
+        b = json.loads((out / f'speed_{prec}.json').read_text())
+        assert b['format'] == bm.FORMAT and b['smoke'] and len(b['samples']) == 12
+        page = bm.render(b)
+        assert '| ViT3-T vs DeiT-T (timm) | 1 | 64×64 |' in page and '| ResT-S vs Swin-T (timm) | 2 | 64×96 |' in page
     md = (out / 'device_check.md').read_text()
-    assert md.index('## env') < md.index('## parity') < md.index('## amp') < md.index('## train')
-    assert 'mmengine 0.10.7' in md and '**64x96/b2**' in md and '`hvit3_t[cp]`' in md and '`vit3_t`' in md
+    assert md.index('## preflight') < md.index('## parity') < md.index('## amp') < md.index('## speed')
+    assert 'mmengine 0.10.7' in md and '### Speed: bf16 autocast' in md and '| DeiT-T (timm) | 1 |' in md
 
 
 def test_device_check_sh_needs_the_carry(tmp_path):
@@ -327,56 +357,99 @@ def test_device_check_sh_needs_the_carry(tmp_path):
     assert r.returncode == 2 and 'no wheels in' in r.stderr, r.stderr
 
 
-def test_device_check_refuses_cuda_without_a_gpu(tmp_path):
-    if torch.cuda.is_available():
-        pytest.skip('a CUDA device is present')
-    r = subprocess.run([sys.executable, f'{ROOT}/tools/analysis/device_check.py', '--out-dir', str(tmp_path)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert r.returncode == 2 and 'torch sees no CUDA device' in r.stderr and '--device cpu' in r.stderr
-
-
 def _check(tmp_path, *args):
     return [sys.executable, f'{ROOT}/tools/analysis/device_check.py', '--device', 'cpu', '--tiny',
             '--out-dir', str(tmp_path), *args]
 
 
-def test_device_check_part_time_limit(tmp_path):
-    """A part that runs past its share of --budget is reported as timed out; the next one still runs, and a
-    part with too little of the budget left is not started."""
-    r = subprocess.run(_check(tmp_path, '--parts', 'env', 'parity', 'train', '--parity-size', '32',
-                              '--bench', '1536/b2', '--budget', '150'),
-                       capture_output=True, text=True, cwd=ROOT, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS='1'))
+@pytest.mark.parametrize('args, message', [
+    ([], 'torch sees no CUDA device'),
+    (['--device', 'tpu'], "--device 'tpu': allowed cuda, cuda:N, cpu"),
+    (['--device', 'cpu', '--detection', '800x1344/b0'], "expected HxW/bBATCH such as 800x1344/b2, got '800x1344/b0'"),
+    (['--device', 'cpu', '--precisions', 'fp8'], "invalid choice: 'fp8'"),
+    (['--device', 'cpu', '--budget', '0'], 'expected positive seconds'),
+    (['--device', 'cpu', '--authors-code', 'ResT=/nowhere'], '--authors-code: ResT: checkout'),
+])
+def test_device_check_bad_arguments_say_what_is_allowed(tmp_path, args, message):
+    if not args and torch.cuda.is_available():
+        pytest.skip('a CUDA device is present')
+    r = subprocess.run([sys.executable, f'{ROOT}/tools/analysis/device_check.py', '--out-dir', str(tmp_path), *args],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_device_check_failing_model_keeps_its_traceback_and_the_others_rows(tmp_path):
+    """A model that fails (planted: building it raises) has its whole traceback saved under errors/ and linked
+    from the JSON and the Markdown, in every part; the other model's rows are all there."""
+    r = subprocess.run(_check(tmp_path, '--parts', 'parity', 'speed', '--models', 'l2vit_t', 'rest_s',
+                              '--parity-size', '32', '--headline', '--detection', '64/b1', '--precisions', 'fp32',
+                              '--warmup', '0', '--iters', '1', '--budget', '900', '--preflight-s', '120',
+                              '--plant-fault', 'l2vit_t'),
+                       capture_output=True, text=True, cwd=ROOT, timeout=900, env=dict(os.environ, OMP_NUM_THREADS='1'))
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / 'device_check.json').read_text())
-    assert 'error' not in res['parts']['parity'] and all(v['ok'] for v in res['parts']['parity'].values())
-    assert res['parts']['train']['error'].startswith(('timed out after', 'not run: ')), res['parts']['train']
+    md = (tmp_path / 'device_check.md').read_text()
+    rows = [res['parts']['preflight']['rows']['all']['forward']['l2vit_t'], res['parts']['parity']['rows']['l2vit_t'],
+            res['parts']['speed']['rows']['l2vit_t 64/b1']]
+    for row in rows:
+        assert row['error'] == 'RuntimeError: planted fault in l2vit_t (--plant-fault)', row
+        text = (tmp_path / row['error_file']).read_text()
+        assert text.count('Traceback (most recent call last)') == 1 and text.count('device_check.py", line') >= 2, text
+        assert text.rstrip().endswith('RuntimeError: planted fault in l2vit_t (--plant-fault)'), text
+        assert f'([full text]({row["error_file"]}))' in md
+    assert res['parts']['parity']['rows']['rest_s']['grad_fast']['ok']
+    assert {s['kind'] for s in res['parts']['speed']['rows']['rest_s 64/b1']['samples']} == {'infer', 'train'}
+    assert 'error' not in res['parts']['speed']['rows']['swin_t 64/b1'], res['parts']['speed']['rows']
 
 
-def test_device_check_keeps_finished_parts_when_stopped(tmp_path):
-    """SIGTERM (device_check.sh's hard limit) during a later part: the earlier parts are on disk, JSON and
-    Markdown, the part it was in says it was stopped, the rest say not run."""
-    p = subprocess.Popen(_check(tmp_path, '--parts', 'env', 'parity', 'latency', 'train', '--models', 'rest_s',
-                                '--parity-size', '32', '--bench', '2048/b4', '--budget', '900'),
+def test_device_check_model_time_limit(tmp_path):
+    """A model that runs past its time limit (planted: it hangs in parity) loses its own row only: the model
+    before it, the next part and that model's row there are all kept; the timeout's text is saved."""
+    r = subprocess.run(_check(tmp_path, '--parts', 'parity', 'amp', '--models', 'vit3_t', 'rest_s',
+                              '--parity-size', '32', '--amp-size', '32', '--budget', '100', '--preflight-s', '20',
+                              '--plant-hang', 'parity:rest_s'),
+                       capture_output=True, text=True, cwd=ROOT, timeout=300, env=dict(os.environ, OMP_NUM_THREADS='1'))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / 'device_check.json').read_text())
+    parity, amp = res['parts']['parity']['rows'], res['parts']['amp']['rows']
+    assert parity['vit3_t']['grad_plain']['ok'], parity
+    assert parity['rest_s']['error'].startswith('timed out after'), parity['rest_s']
+    assert (tmp_path / parity['rest_s']['error_file']).read_text().startswith('timed out after')
+    assert res['wall_s'] < 100 and parity['rest_s']['wall_s'] <= res['parts']['parity']['planned_end_s']
+    assert all(amp[m]['bf16']['grads_finite'] for m in ('vit3_t', 'rest_s')), amp
+
+
+def test_device_check_keeps_finished_models_when_stopped(tmp_path):
+    """SIGTERM (device_check.sh's hard limit) during the speed part: the rows of the models finished before,
+    in earlier parts and in the speed part itself, are on disk (JSON and Markdown, written after each model),
+    the model it was in says it was stopped, the rest say not run."""
+    p = subprocess.Popen(_check(tmp_path, '--parts', 'parity', 'speed', '--models', 'rest_s', '--parity-size', '32',
+                                '--headline', '--detection', '64/b1', '2048/b4', '--precisions', 'fp32',
+                                '--warmup', '0', '--iters', '1', '--budget', '900'),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                          env=dict(os.environ, OMP_NUM_THREADS='1'))
     js = tmp_path / 'device_check.json'
-    deadline = time.time() + 400
+    deadline = time.time() + 600
     while time.time() < deadline and p.poll() is None:
-        if js.exists() and 'parity' in json.loads(js.read_text())['parts']:
+        if js.exists() and 'swin_t 64/b1' in json.loads(js.read_text())['parts'].get('speed', {}).get('rows', {}):
             break
-        time.sleep(1)
+        time.sleep(0.5)
     assert p.poll() is None, p.communicate()
     part = json.loads(js.read_text())
-    assert part['complete'] is False and list(part['parts']) == ['env', 'parity'], part['parts']
-    assert '## parity' in (tmp_path / 'device_check.md').read_text()
-    time.sleep(3)  # inside latency now
+    assert part['complete'] is False and list(part['parts']) == ['preflight', 'parity', 'speed'], part['parts']
+    assert list(part['parts']['speed']['rows']) == ['rest_s 64/b1', 'swin_t 64/b1'], part['parts']['speed']
+    assert '| ResT-S | 1 |' in (tmp_path / 'device_check.md').read_text()
+    time.sleep(5)  # inside rest_s 2048/b4 now
     p.send_signal(signal.SIGTERM)
     p.communicate(timeout=120)
     assert p.returncode == 0
     res = json.loads(js.read_text())
     assert res['complete'] is False and res['parts']['parity'] == part['parts']['parity']
-    assert res['parts']['latency']['error'].startswith('stopped by signal 15'), res['parts']['latency']
-    assert res['parts']['train']['error'].startswith('not run: stopped by signal 15')
+    speed = res['parts']['speed']['rows']
+    assert list(speed) == ['rest_s 64/b1', 'swin_t 64/b1', 'rest_s 2048/b4', 'swin_t 2048/b4'], speed
+    assert all(speed[k] == part['parts']['speed']['rows'][k] for k in ('rest_s 64/b1', 'swin_t 64/b1'))
+    assert speed['rest_s 2048/b4']['error'].startswith('stopped by signal 15'), speed
+    assert speed['swin_t 2048/b4']['error'].startswith('not run: stopped by signal 15'), speed
     md = (tmp_path / 'device_check.md').read_text()
-    assert '## parity' in md and '## latency' in md and 'FAILED: stopped by signal' in md and '(stopped)' in md
+    assert '## parity' in md and '| ResT-S | 1 |' in md and 'failed: stopped by signal' in md
+    assert '(not complete)' in md

@@ -7,16 +7,16 @@ Kinds:
 * `infer`: `warmup` + `iters` no-grad forwards; latency_ms (median of the timed ones), times_ms, throughput
   (images/s), peak_mem_mb of the forwards.
 * `train`: `warmup` + `iters` training iterations (forward, backward of the summed output means, AdamW step;
-  mmplugin_l2/analysis/train_step.py); step_ms (median), forward/backward/optimizer ms, peak_mem_mb.
+  mmplugin_l2/analysis/measure.py `train_steps`); step_ms (median), forward/backward/optimizer ms, peak_mem_mb.
 * `maxbatch`: the largest inference batch whose peak memory fits `budget_mb` (`largest_batch`, every probe in
   its own process), then an `infer` measurement at that batch; batch is the batch found.
-Peak memory: CUDA torch.cuda.max_memory_allocated() above what the model and input held before; CPU the fresh
-process's peak resident set (ru_maxrss) above its resident set before the first iteration.
+Timing and peak memory are mmplugin_l2/analysis/measure.py's: CUDA torch.cuda.max_memory_allocated() above
+what the model and input held before; CPU the fresh process's peak resident set above its resident set before
+the first iteration. A sample's `precision` (absent: fp32 with TF32 off) is measure.py's.
 """
 import json
 import math
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from .measure import emit, failure_line, measure_infer, run_fresh, train_steps
 from .models import AUTHORS_TAG, MODELS, build, check_name, label  # noqa: F401  (the tools use them from here)
 
 FORMAT = 'mmplugin_l2-benchmark/1'
@@ -40,7 +41,8 @@ SUITES = {
 }
 #: (ours, theirs) pairs of the ratio tables and the plot
 PAIRS = [('vit3_t', 'deit_t'), ('vit3_t', 'deit_t_plain'), ('hvit3_t', 'swin_t'), ('l2vit_t', 'swin_t'),
-         ('rest_s', 'swin_t')]
+         ('rest_s', 'swin_t'), ('vit3_t', 'deit_t_timm'), ('hvit3_t', 'swin_t_timm'), ('l2vit_t', 'swin_t_timm'),
+         ('rest_s', 'swin_t_timm')] + [(m, m + AUTHORS_TAG) for m in ('hvit3_t', 'l2vit_t', 'rest_s')]
 BEGIN, END = '<!-- generated:begin -->', '<!-- generated:end -->'
 
 
@@ -65,80 +67,30 @@ def tokens(size, stride=16):
     return math.ceil(size[0] / stride) * math.ceil(size[1] / stride)
 
 
-def _rss_bytes():
-    with open('/proc/self/statm') as f:
-        return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
-
-
-def _sync(device):
-    if device.type == 'cuda':
-        torch.cuda.synchronize()
-
-
-class PeakMemory:
-    """Peak memory in MB of what runs inside the `with` above what was held at its start (see module doc)."""
-
-    def __init__(self, device):
-        self.device, self.mb = device, None
-
-    def __enter__(self):
-        if self.device.type == 'cuda':
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        else:
-            self.base = _rss_bytes()
-            self.peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return self
-
-    def __exit__(self, *exc):
-        if exc[0] is not None:
-            return False
-        if self.device.type == 'cuda':
-            torch.cuda.synchronize()
-            self.mb = (torch.cuda.max_memory_allocated() - self.base) / 2**20
-        else:
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            # a step below the process's earlier peak (imports, build) is not measurable this way
-            self.mb = (peak - self.base) / 2**20 if peak > self.peak_before else None
-        return False
-
-
-def measure_infer(model, x, warmup, iters):
-    """(median ms, per-forward ms, peak MB) of `iters` no-grad forwards after `warmup` ones."""
-    model.eval()
-    times = []
-    with torch.no_grad(), PeakMemory(x.device) as mem:
-        for i in range(warmup + iters):
-            _sync(x.device)
-            t = time.perf_counter()
-            model(x)
-            _sync(x.device)
-            if i >= warmup:
-                times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times), times, mem.mb
-
-
 def measure(spec):
-    """One measurement in this process; a JSON-able sample.
+    """One measurement in this process (mmplugin_l2/analysis/measure.py); a JSON-able sample.
 
     Args:
         spec (dict): model (str), kind ('infer' | 'train'), size ([H, W]), batch (int), warmup (int),
-            iters (int), device (str), authors_roots ({family: path}, optional), round (int, optional).
+            iters (int), device (str), authors_roots ({family: path}, optional), round (int, optional),
+            precision ('fp32' (TF32 off, the default) | 'tf32' | 'bf16', optional; recorded when not fp32),
+            tiny (bool, optional: narrow widths, a smoke test).
     """
-    from .train_step import train_steps
     torch.manual_seed(0)
     dev = torch.device(spec['device'])
-    size, batch = tuple(spec['size']), spec['batch']
-    model = build(spec['model'], size=size, authors_roots=spec.get('authors_roots')).to(dev)
+    size, batch, prec = tuple(spec['size']), spec['batch'], spec.get('precision', 'fp32')
+    model = build(spec['model'], size=size, authors_roots=spec.get('authors_roots'),
+                  tiny=spec.get('tiny', False)).to(dev)
     x = torch.randn(batch, 3, *size, device=dev)
     s = dict(model=spec['model'], kind=spec['kind'], size=list(size), batch=batch, round=spec.get('round', 0),
              params=sum(p.numel() for p in model.parameters()))
+    if prec != 'fp32':
+        s['precision'] = prec
     if spec['kind'] == 'infer':
-        med, times, mem = measure_infer(model, x, spec['warmup'], spec['iters'])
+        med, times, mem = measure_infer(model, x, spec['warmup'], spec['iters'], prec)
         s.update(latency_ms=med, times_ms=times, throughput=batch / med * 1e3, peak_mem_mb=mem)
     elif spec['kind'] == 'train':
-        steps, mem = train_steps(model, x, spec['warmup'], spec['iters'])
+        steps, mem = train_steps(model, x, spec['warmup'], spec['iters'], prec=prec)
         s.update({k: statistics.median(st[k] for st in steps) for k in steps[0]})
         s.update(step_ms=s.pop('total_ms'), steps=steps, peak_mem_mb=mem)
     else:
@@ -151,20 +103,10 @@ def run_subprocess(spec, timeout=None, python=sys.executable):
     exception, a kill by the OS, a timeout)."""
     base = {k: spec[k] for k in ('model', 'kind', 'size', 'batch')}
     base['round'] = spec.get('round', 0)
-    try:
-        r = subprocess.run([python, '-m', 'mmplugin_l2.analysis.benchmark', json.dumps(spec)],
-                           capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return dict(base, error=f'timed out after {timeout} s')
-    for line in reversed(r.stdout.splitlines()):
-        if line.startswith('SAMPLE '):
-            return json.loads(line[7:])
-    tail = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
-    if r.returncode < 0:
-        why = f'killed by signal {-r.returncode}' + (' (out of memory?)' if r.returncode == -9 else '')
-    else:
-        why = tail[-1] if tail else f'exit status {r.returncode}'
-    return dict(base, error=why[:300])
+    samples, failure = run_fresh(['-m', 'mmplugin_l2.analysis.benchmark', json.dumps(spec)], timeout, python)
+    if samples:
+        return samples[-1]
+    return dict(base, error=failure_line(failure or 'no sample printed'))
 
 
 def largest_batch(peak_mb, budget_mb, max_batch=1024):
@@ -516,4 +458,4 @@ def plot(results, path):
 
 
 if __name__ == '__main__':   # one measurement, in the fresh process run_subprocess starts
-    print('SAMPLE ' + json.dumps(measure(json.loads(sys.argv[1]))), flush=True)
+    emit(measure(json.loads(sys.argv[1])))

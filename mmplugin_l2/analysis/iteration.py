@@ -11,11 +11,11 @@ detached copies of them, `backward, heads + neck` is the loss's backward down to
 `backward, backbone` the backward of the backbone from the gradients they received. The same gradients as
 one backward pass, in two calls.
 """
-import statistics
-import time
 from contextlib import contextmanager
 
 import torch
+
+from .measure import clock, stats
 
 #: (attribute path, method) wrapped and timed per model; absent ones are skipped
 PARTS = (
@@ -36,6 +36,7 @@ def _timed_parts(model, times):
     With autograd on, the backbone wrapper returns its outputs cut from the graph (`_cut`, pairs kept in
     times['_backbone_outputs']), where `iteration` splits the backward."""
     saved = []
+    dev = _device(model)
     for path, method in PARTS:
         part = getattr(model, path, None)
         if part is None or not hasattr(part, method):
@@ -43,9 +44,9 @@ def _timed_parts(model, times):
         fn = getattr(part, method)
 
         def wrapper(*args, _fn=fn, _key=f'forward, {path}', _backbone=path == 'backbone', **kwargs):
-            t0 = time.perf_counter()
+            t0 = clock(dev)
             out = _fn(*args, **kwargs)
-            times[_key] = times.get(_key, 0.) + time.perf_counter() - t0
+            times[_key] = times.get(_key, 0.) + clock(dev) - t0
             if _backbone and torch.is_grad_enabled():
                 out = _cut(out, times.setdefault('_backbone_outputs', []))
             return out
@@ -57,6 +58,10 @@ def _timed_parts(model, times):
     finally:
         for part, method in saved:
             delattr(part, method)     # back to the class's method
+
+
+def _device(model):
+    return next(model.parameters()).device
 
 
 def _cut(out, pairs):
@@ -86,23 +91,24 @@ def iteration(model, optim, batch):
     """One training iteration of `model` with the optimizer wrapper `optim` on `batch`, timed piece by
     piece: a dict of seconds."""
     times = {}
-    t0 = time.perf_counter()
+    dev = _device(model)
+    t0 = clock(dev)
     with optim.optim_context(model), _timed_parts(model, times):
         data = model.data_preprocessor(batch, True)
-        t1 = time.perf_counter()
+        t1 = clock(dev)
         losses = model._run_forward(data, mode='loss')
-    t2 = time.perf_counter()
+    t2 = clock(dev)
     loss, _ = model.parse_losses(losses)
-    t3 = time.perf_counter()
+    t3 = clock(dev)
     optim.backward(loss)
-    t_cut = time.perf_counter()
+    t_cut = clock(dev)
     pairs = [(t, leaf.grad) for t, leaf in times.get('_backbone_outputs', []) if leaf.grad is not None]
     if pairs:
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-    t4 = time.perf_counter()
+    t4 = clock(dev)
     optim.step()
     optim.zero_grad()
-    t5 = time.perf_counter()
+    t5 = clock(dev)
     out = {'data preprocessor': t1 - t0}
     parts = {k: v for k, v in times.items() if k.startswith('forward, ')}
     out.update(parts)
@@ -120,26 +126,29 @@ def profile_iterations(model, optim, dataloader, iters, warmup=1):
     """`warmup` + `iters` iterations over `dataloader`; per piece the median and range of the timed
     iterations (seconds) and the share of the median total."""
     model.train()
+    dev = _device(model)
     loader = iter(dataloader)
     rows = []
     for i in range(warmup + iters):
-        t0 = time.perf_counter()
+        t0 = clock(dev)
         try:
             batch = next(loader)
         except StopIteration:
             loader = iter(dataloader)
             batch = next(loader)
-        data_s = time.perf_counter() - t0
+        data_s = clock(dev) - t0
         r = {'data loading': data_s, **iteration(model, optim, batch)}
         r['total'] = sum(r.values())
         if i >= warmup:
             rows.append(r)
     keys = list(rows[0])
-    total = statistics.median(r['total'] for r in rows)
-    return [dict(part=k, median_s=statistics.median(r[k] for r in rows), min_s=min(r[k] for r in rows),
-                 max_s=max(r[k] for r in rows),
-                 share=statistics.median(r[k] for r in rows) / total if k != 'total' else 1.0)
-            for k in keys]
+    total = stats([r['total'] for r in rows])['median']
+    out = []
+    for k in keys:
+        st = stats([r[k] for r in rows])
+        out.append(dict(part=k, median_s=st['median'], min_s=st['min'], max_s=st['max'],
+                        share=st['median'] / total if k != 'total' else 1.0))
+    return out
 
 
 def table(rows):

@@ -11,6 +11,8 @@ import copy
 
 import torch
 
+from .measure import gradients, precision
+
 #: check name -> what it compares
 CHECKS = {
     'fp64': 'fp32 outputs vs the same model in float64 (rel. max abs)',
@@ -24,6 +26,8 @@ CHECKS = {
     'grad_fp64': 'one training step in fp32: parameter gradients vs the same model in float64 (rel. L2, all params)',
 }
 _LOW = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'half': torch.float16, 'bfloat16': torch.bfloat16}
+#: autocast dtype -> precision name of mmplugin_l2.analysis.measure
+_PREC = {torch.bfloat16: 'bf16', torch.float16: 'fp16'}
 
 
 def rel_max(a, ref):
@@ -59,7 +63,7 @@ def batch_error(model, x):
 
 def autocast_error(model, x, dtype, ref=None):
     ref = ref if ref is not None else _forward(model, x)
-    with torch.autocast(x.device.type, dtype=dtype):
+    with precision(_PREC[dtype], x.device):
         out = _forward(model, x)
     return [rel_l2(a, r) for a, r in zip(out, ref)]
 
@@ -70,31 +74,38 @@ def cast_error(model, x, dtype, ref=None):
     return [rel_l2(a, r) for a, r in zip(_forward(low, x.to(dtype)), ref)]
 
 
-def _grads(model, x, dtype=None):
-    model.zero_grad(set_to_none=True)
-    with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
-        loss = sum((o.double() if o.dtype == torch.float64 else o.float()).square().mean() for o in model(x))
-    loss.backward()
-    return {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def grad_error(model, x, dtype):
     """rel. L2 of the flattened gradient of all parameters after one train-mode step on
     sum_i mean(out_i^2) under `dtype` autocast, against fp32; for dtype float64: fp32 against the same
     model in float64 (the training path's conditioning; custom backward functions included). inf if any
     gradient is not finite."""
-    model = copy.deepcopy(model).train()
+    model = copy.deepcopy(model)
     if dtype == torch.float64:
-        ref = _grads(copy.deepcopy(model).double(), x.double())
-        low = _grads(model, x)
+        ref = gradients(copy.deepcopy(model).double(), x.double())[1]
+        low = gradients(model, x)[1]
     else:
-        ref = _grads(model, x)
-        low = _grads(model, x, dtype)
-    if set(ref) != set(low):
-        raise RuntimeError(f'gradients of {sorted(set(ref) ^ set(low))} exist only in one precision')
-    a = torch.cat([low[n].flatten() for n in ref])
-    r = torch.cat([ref[n].flatten() for n in ref])
-    return [rel_l2(a, r)]
+        ref = gradients(model, x)[1]
+        low = gradients(model, x, _PREC[dtype])[1]
+    return [grads_error(low, ref)['rel_l2']]
+
+
+def grads_error(grads, ref, floor=1e-3):
+    """How far the parameter gradients `grads` are from `ref` ({name: tensor} each, same names): `rel_l2` of
+    all of them flattened together; per parameter max |g - ref| / max(max |ref|, floor * the largest |ref| of
+    all parameters), its largest (`max_rel_max`) and that parameter's name (`worst`). The floor keeps
+    gradients that are zero in exact arithmetic (a bias before a normalisation) from dividing rounding by
+    rounding."""
+    if set(ref) != set(grads):
+        raise RuntimeError(f'gradients of {sorted(set(ref) ^ set(grads))} exist only in one precision')
+    a = torch.cat([grads[n].flatten() for n in ref]).double()
+    r = torch.cat([ref[n].flatten() for n in ref]).double()
+    if not torch.isfinite(a).all():
+        return dict(rel_l2=float('inf'), max_rel_max=float('inf'), worst=None)
+    top = r.abs().max().item() if r.numel() else 0.
+    per = {n: ((grads[n].double() - ref[n].double()).abs().max().item()
+               / max(ref[n].abs().max().item(), floor * top, 1e-300)) if ref[n].numel() else 0. for n in ref}
+    worst = max(per, key=per.get) if per else None
+    return dict(rel_l2=rel_l2(a, r), max_rel_max=per[worst] if per else 0., worst=worst)
 
 
 def run_checks(model, x, checks):

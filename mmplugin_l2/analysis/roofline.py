@@ -12,40 +12,25 @@ intermediates in cache does better). Time outside the layers (residual adds, res
 """
 import re
 import statistics
-import time
 
 import torch
 import torch.nn as nn
 
+from .measure import clock, time_calls, train_steps
 
 
 def peak_matmul(n=2048, iters=5, device='cpu'):
-    """Best of `iters` fp32 (n x n) @ (n x n) products: multiply-adds per second."""
+    """Best of `iters` fp32 (n x n) @ (n x n) products after one warm-up: multiply-adds per second."""
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    a @ b  # warm-up
-    best = float('inf')
-    for _ in range(iters):
-        t = time.perf_counter()
-        a @ b
-        if a.device.type == 'cuda':
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    return n ** 3 / best
+    return n ** 3 / (min(time_calls(lambda: a @ b, a.device, 1, iters)) / 1e3)
 
 
 def peak_bandwidth(mbytes=256, iters=5, device='cpu'):
-    """Best of `iters` copies of an fp32 tensor of `mbytes` MB into another: bytes read + written per second."""
+    """Best of `iters` copies of an fp32 tensor of `mbytes` MB into another after one warm-up: bytes read +
+    written per second."""
     src = torch.randn(mbytes * 2**18, device=device)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float('inf')
-    for _ in range(iters):
-        t = time.perf_counter()
-        dst.copy_(src)
-        if src.device.type == 'cuda':
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    return 2 * src.numel() * 4 / best
+    return 2 * src.numel() * 4 / (min(time_calls(lambda: dst.copy_(src), src.device, 1, iters)) / 1e3)
 
 
 def _is_block(m):
@@ -113,13 +98,13 @@ def profile_layers(model, x):
         def pre(m, args, g=g):
             m._rl_nested = active[0] > 0
             active[0] += 1
-            m._rl_t = time.perf_counter()
+            m._rl_t = clock(x.device)
 
         def post(m, args, out, g=g, pbytes=pbytes):
             active[0] -= 1
             st = stats[g]
             if not m._rl_nested:
-                st['seconds'] += time.perf_counter() - m._rl_t
+                st['seconds'] += clock(x.device) - m._rl_t
             st['bytes'] += _nbytes(args) + _nbytes(out) + pbytes
             st['calls'] += 1
         hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
@@ -127,9 +112,9 @@ def profile_layers(model, x):
         model(x)  # warm-up, with hooks (the same work)
         for s in stats.values():
             s.update(seconds=0., bytes=0, calls=0)
-        t = time.perf_counter()
+        t = clock(x.device)
         model(x)
-        total = time.perf_counter() - t
+        total = clock(x.device) - t
     finally:
         for h in hooks:
             h.remove()
@@ -152,8 +137,7 @@ def _flops(model, x):
 
 
 def train_step_seconds(model, x, warmup=1, iters=1):
-    """Median training-step time (mmplugin_l2.analysis.train_step.train_steps)."""
-    from .train_step import train_steps
+    """Median training-step time (mmplugin_l2.analysis.measure.train_steps)."""
     steps, _ = train_steps(model, x, warmup, iters, memory=False)
     return statistics.median(s['total_ms'] for s in steps) / 1e3
 

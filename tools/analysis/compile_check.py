@@ -13,9 +13,11 @@ minutes). Exits 1 if a relative difference exceeds --bound (default 1e-5). A che
 import argparse
 import statistics
 import sys
-import time
 
 import torch
+
+from mmplugin_l2.analysis.measure import clock, time_calls
+from mmplugin_l2.analysis.precision import rel_max
 
 TINY = {
     'HViT3': dict(embed_dims=[16, 32, 64, 64], depths=[1, 1, 2, 1], num_heads=[1, 1, 2, 2]),
@@ -46,13 +48,8 @@ def _outputs(y):
 
 
 def _time(fn, x, repeat):
-    fn(x)
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn(x)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    """Median seconds of `repeat` calls after one warm-up (mmplugin_l2.analysis.measure)."""
+    return statistics.median(time_calls(lambda: fn(x), x.device, 1, repeat)) / 1e3
 
 
 def check(model, sizes, repeat=3, timing=True):
@@ -63,13 +60,13 @@ def check(model, sizes, repeat=3, timing=True):
         for size in sizes:
             x = torch.randn(1, 3, *size, generator=torch.Generator().manual_seed(size[0] * 7919 + size[1]))
             ref = _outputs(model(x))
-            t = time.perf_counter()
+            t = clock(x.device)
             got = _outputs(compiled(x))
-            first = time.perf_counter() - t
+            first = clock(x.device) - t
             if len(got) != len(ref) or any(g.shape != r.shape for g, r in zip(got, ref)):
                 raise SystemExit(f'error: compiled outputs {[tuple(g.shape) for g in got]} != eager '
                                  f'{[tuple(r.shape) for r in ref]} at {size}')
-            rel = max(((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for g, r in zip(got, ref))
+            rel = max(rel_max(g, r) for g, r in zip(got, ref))
             row = dict(size=tuple(size), first_call_s=first, rel_diff=rel)
             if timing:
                 row.update(eager_s=_time(model, x, repeat), compiled_s=_time(compiled, x, repeat))

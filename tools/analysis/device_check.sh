@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One-shot accelerator check of the backbones in at most --budget seconds (default 540: a 10-minute slot with
 # start-up to spare), on the machine's own python and torch (docs/device_check.md). Parts in priority order:
-# fp32 parity against CPU float64 and fp16 / bf16 autocast of every backbone, no host synchronisation, then
-# inference latency and training step against the authors' code and Swin-T. Each part's result is written as
-# soon as it exists: OUT_DIR/device_check.json and OUT_DIR/device_check.md.
+# preflight, eval parity and training gradients against CPU float64, the AMP training step (bf16, fp16 with a
+# grad scaler), host synchronisation, then speed and peak memory (fp32, TF32, bf16) against the authors' code,
+# DeiT-T and Swin-T. Each model of each part runs in its own process under a time limit; the results are
+# rewritten after each: OUT_DIR/device_check.json, device_check.md, speed_<precision>.json, errors/*.txt.
 #
 #   bash tools/analysis/device_check.sh [--carry DIR] [--out-dir DIR] [--budget S] [device_check.py args]
 #
@@ -25,7 +26,7 @@ while [ $# -gt 0 ]; do
     --carry) CARRY="${2:?--carry DIR}"; shift 2 ;;
     --out-dir) OUT_DIR="${2:?--out-dir DIR}"; shift 2 ;;
     --budget) BUDGET="${2:?--budget SECONDS}"; shift 2 ;;
-    -h|--help) sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) ARGS+=("$1"); shift ;;
   esac
 done
@@ -55,16 +56,17 @@ if missing:
     sys.exit(f'[device_check.sh] {sys.executable} cannot import {", ".join(missing)}: pass --carry DIR '
              '(bash tools/analysis/device_wheels.sh prepares it) or install them')
 EOF
-# the python driver keeps each part within its share of what is left, less 10 s to write the last results
+# the python driver keeps each part (each model) within its share of what is left, less 10 s to write the
+# last results
 LEFT=$(( BUDGET - ($(date +%s) - START) - 10 ))
 echo "[device_check.sh] $("$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())'); ${LEFT} s for the parts"
 [ ${#AUTHORS[@]} -gt 0 ] && ARGS+=(--authors-code "${AUTHORS[@]}")
-# the hard limit: SIGTERM 30 s after the driver's budget (the driver records the part it was in and stops;
-# every finished part is already on disk), SIGKILL 10 s later
+# the hard limit: SIGTERM 30 s after the driver's budget (the driver records the model it was in as stopped;
+# every finished model is already on disk), SIGKILL 10 s later
 set +e
 timeout --kill-after=10 $(( LEFT + 30 )) "$PY" tools/analysis/device_check.py --budget "$LEFT" \
   --out-dir "$OUT_DIR" "${ARGS[@]}"
 RC=$?
 set -e
-echo "[device_check.sh] exit $RC after $(( $(date +%s) - START )) s: $OUT_DIR/device_check.json, $OUT_DIR/device_check.md"
+echo "[device_check.sh] exit $RC after $(( $(date +%s) - START )) s: $OUT_DIR/device_check.json, device_check.md, speed_*.json, errors/"
 exit $RC

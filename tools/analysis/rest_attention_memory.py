@@ -14,23 +14,15 @@ memory policy `dict(max_elems=N)` (maps of more than 2N entries in chunks of N).
 """
 import argparse
 import json
-import os
 import os.path as osp
-import resource
 import subprocess
 import sys
-import time
-
-
-
-def rss_bytes():
-    with open('/proc/self/statm') as f:
-        return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
 
 
 def child(args):
     import torch
     from mmplugin_l2 import ResT
+    from mmplugin_l2.analysis.measure import PeakMemory, clock
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -49,16 +41,16 @@ def child(args):
             pass
         return t
 
-    before = rss_bytes()
-    t0 = time.perf_counter()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        outs = model(x)
-    loss = sum(o.square().mean() for o in outs)
-    saved_bytes = sum(saved.values())
-    loss.backward()
-    dt = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps(dict(max_elems=args.max_elems, peak_rss_growth=peak - before, saved_bytes=saved_bytes,
+    with PeakMemory('cpu') as mem:
+        t0 = clock('cpu')
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            outs = model(x)
+        loss = sum(o.square().mean() for o in outs)
+        saved_bytes = sum(saved.values())
+        loss.backward()
+        dt = clock('cpu') - t0
+    growth = mem.mb * 2**20 if mem.mb is not None else float('nan')
+    print(json.dumps(dict(max_elems=args.max_elems, peak_rss_growth=growth, saved_bytes=saved_bytes,
                           step_seconds=dt, loss=loss.item())))
 
 
