@@ -19,9 +19,11 @@ MAX_SDPA_BATCH_HEADS = 65535
 def sdpa_batch_slices(batch, heads):
     """Consecutive slices of a batch of `batch` windows, each of at most MAX_SDPA_BATCH_HEADS // heads windows
     (one slice when the whole batch fits; while exporting one graph for every size, always one)."""
-    per = max(1, MAX_SDPA_BATCH_HEADS // heads)
     compiling = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
-    if (exporting() and not compiling) or batch <= per:
+    if exporting() and not compiling:
+        return [slice(None)]
+    per = max(1, MAX_SDPA_BATCH_HEADS // heads)
+    if batch <= per:
         return [slice(None)]
     return [slice(i, min(i + per, batch)) for i in range(0, batch, per)]
 
