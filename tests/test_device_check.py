@@ -154,7 +154,7 @@ def test_carry_copies_the_authors_backbone_files(tmp_path):
     rel = FAMILIES['ResT'][1]
     (clone / rel).parent.mkdir(parents=True)
     (clone / rel).write_text('# their backbone file\n')
-    env = dict(os.environ, PINS=str(tmp_path / 'pins.txt'))
+    env = dict(os.environ, PINS=str(tmp_path / 'pins.txt'), PYTHON=sys.executable)  # its python imports torch
     (tmp_path / 'pins.txt').write_text('addict==2.4.0\n')
     r = subprocess.run(['bash', f'{ROOT}/tools/analysis/device_wheels.sh', '--dir', str(tmp_path / 'c'),
                         '--authors-code', f'ResT={clone}'], capture_output=True, text=True, timeout=600, env=env)
@@ -317,6 +317,7 @@ def test_device_check_runs_as_on_the_gpu_machine(carry, tmp_path):
         p = parity[n]
         assert len(p['eval']['fp32']) == (1 if n == 'vit3_t' else 4) and p['eval']['ok']
         assert 0 < max(p['eval']['fp32']) < 1e-4  # fp32 vs float64 on the same CPU
+        assert 0 < p['grad_cpu_fp32']['rel_l2'] < 1e-5, p
         for path in ('fast', 'plain'):
             g = p[f'grad_{path}']
             assert g['ok'] and 0 < g['max_rel_max'] < 1e-2 and 0 < g['rel_l2'] < 1e-5 and g['loss'] < 1e-5, g

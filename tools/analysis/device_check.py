@@ -63,9 +63,10 @@ OURS = ['hvit3_t', 'vit3_t', 'l2vit_t', 'rest_s']
 PYRAMIDS = ['hvit3_t', 'l2vit_t', 'rest_s']
 #: the fast training path on and off
 PATHS = {'fast': dict(recompute=True), 'plain': dict(recompute=False)}
-#: verdicts: fp32 (TF32 off) against float64, outputs (rel. max over stages) and gradients (largest
-#: per-parameter rel. max error)
-PARITY_TOL, GRAD_TOL = 1e-4, 1e-2
+#: verdicts, fp32 (TF32 off) against float64: outputs within PARITY_TOL (rel. max over stages); gradients (largest
+#: per-parameter error, `precision.grads_error`) within GRAD_FACTOR times the CPU's own fp32 error (the model's
+#: conditioning at that size: a conv before a train-mode BatchNorm loses digits to cancellation) or GRAD_TOL
+PARITY_TOL, GRAD_FACTOR, GRAD_TOL = 1e-4, 10., 1e-3
 #: what our backbones must not need
 HEAVY = ('mmdet', 'mmseg', 'mmpretrain', 'mmcv._ext', 'mmcv.ops')
 AMP = ('bf16', 'fp16')
@@ -74,6 +75,7 @@ AMP = ('bf16', 'fp16')
 # ---- what each process runs: one part for one model ------------------------------------------------------
 
 def images(batch, size, seed=0):
+    """Seeded random images (batch, 3, H, W) on the CPU."""
     return torch.randn(batch, 3, *size, generator=torch.Generator().manual_seed(seed))
 
 
@@ -95,7 +97,7 @@ def _failure(e):
 
 
 def _usable(name, args, dev):
-    """`name` builds (tiny) and runs one forward on the device: True, or its failure."""
+    """`name` builds and runs one no-grad forward of a 64x64 image on the device: True, or its failure."""
     try:
         with torch.no_grad():
             model = build_model(args, name).to(dev)
@@ -107,9 +109,11 @@ def _usable(name, args, dev):
 
 
 def child_preflight(args, _):
+    """Versions and device, what our backbones import, one forward per backbone and of Swin-T / DeiT-T."""
     import importlib
     dev = torch.device(args.device)
-    forward = {n: _usable(n, args, dev) for n in OURS}  # first: what building and running ours imports
+    for n in OURS:  # first: what building and running ours imports; each result printed as it comes
+        emit(dict(forward={n: _usable(n, args, dev)}))
     heavy = sorted(m for m in sys.modules if m in HEAVY or m.startswith(tuple(h + '.' for h in HEAVY)))
     env = dict(backbones_import=heavy, python=platform.python_version(), executable=sys.executable,
                torch=torch.__version__, device=args.device, cuda=torch.version.cuda,
@@ -129,17 +133,18 @@ def child_preflight(args, _):
         env['mmcv_ops'] = True
     except Exception:  # noqa: BLE001
         env['mmcv_ops'] = False
-    emit(dict(env=env, bench_env=bm.environment(args.device)))
+    emit(dict(env=env))
     # Swin-T and DeiT-T: mmdet's / mmpretrain's where they run, else timm's
     for ref, (lib, fallback) in dict(swin_t=('mmdet', 'swin_t_timm'), deit_t=('mmpretrain', 'deit_t_timm')).items():
-        forward[ref] = (_usable(ref, args, dev) if not str(env[lib]).startswith('unavailable')
-                        else f'not tried: {lib} {env[lib]}')
-        if forward[ref] is not True:
-            forward[fallback] = _usable(fallback, args, dev)
-    emit(dict(forward=forward))
+        got = _usable(ref, args, dev) if not str(env[lib]).startswith('unavailable') else f'not tried: {lib} {env[lib]}'
+        emit(dict(forward={ref: got}))
+        if got is not True:
+            emit(dict(forward={fallback: _usable(fallback, args, dev)}))
+    emit(dict(bench_env=bm.environment(args.device)))
 
 
 def child_parity(args, name):
+    """Eval outputs and training gradients (both paths) on the device against float64 on the CPU."""
     dev = torch.device(args.device)
     plain = build_model(args, name, **PATHS['plain'])
     x = images(2, args.parity_size)
@@ -157,14 +162,19 @@ def child_parity(args, name):
         row['ok'] = max(row['fp32']) < PARITY_TOL
         emit(dict(eval=row, shapes=[list(o.shape) for o in out]))
     del model
+    state = copy.deepcopy(plain.state_dict())
     ref_loss, ref_grads = gradients(ref, x.double())
+    # the model's own fp32 conditioning at this size: the CPU's fp32 gradients (plain path) against float64
+    base = grads_error(gradients(plain, x)[1], ref_grads)
+    emit(dict(grad_cpu_fp32=base))
     for path, cfg in PATHS.items():
         model = build_model(args, name, **cfg)
-        model.load_state_dict(plain.state_dict())
+        model.load_state_dict(state)
         model.to(dev)
         loss, grads = gradients(model, x.to(dev))
         err = grads_error({k: v.cpu() for k, v in grads.items()}, ref_grads)
-        err.update(loss=abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), ok=err['max_rel_max'] < GRAD_TOL)
+        err.update(loss=abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+                   ok=err['max_rel_max'] <= max(GRAD_FACTOR * base['max_rel_max'], GRAD_TOL))
         emit({f'grad_{path}': err})
         del model
         _free(dev)
@@ -198,6 +208,7 @@ def _amp_step(model, x, prec, ref_grads, tries=16):
 
 
 def child_amp(args, name):
+    """bf16 and fp16 (grad-scaled) training steps against the fp32 step of the same weights and input."""
     dev = torch.device(args.device)
     model = build_model(args, name).to(dev)
     x = images(2, args.amp_size).to(dev)
@@ -212,6 +223,7 @@ def child_amp(args, name):
 
 
 def child_sync(args, name):
+    """Train (with and without with_cp) and eval passes under torch.cuda.set_sync_debug_mode('error')."""
     dev = torch.device(args.device)
     x = images(1, args.parity_size).to(dev)
     for mode, cfg in (('train', {}), ('train+with_cp', dict(with_cp=True)), ('eval', {})):
@@ -233,6 +245,7 @@ def child_sync(args, name):
 
 
 def child_speed(args, job):
+    """The benchmark's infer and train samples of one 'model HxW/bB' job in every --precisions."""
     name, spec = job.split(' ')
     if name.partition(AUTHORS_TAG)[0] == args.plant_fault:
         _planted(name)
@@ -253,6 +266,7 @@ def child_speed(args, job):
 
 
 def _free(dev):
+    """Hand cached CUDA blocks back between models, so the next one's peak memory starts clean."""
     if dev.type == 'cuda':
         torch.cuda.empty_cache()
 
@@ -280,6 +294,7 @@ def speed_jobs(args, forward):
 
 
 def part_jobs(part, args, forward):
+    """What a part runs one process for: its models (speed: 'model HxW/bB' jobs)."""
     if part == 'preflight':
         return ['all']
     if part == 'speed':
@@ -331,11 +346,11 @@ def job_row(part, job, printed, failure, out_dir):
                 v['error_file'] = save_error(out_dir, part, f'{job} {key} {i}', v.pop('traceback'))
             if part == 'speed':
                 row['samples'].append(v)
-            elif key == 'forward':
+            elif key == 'forward':  # preflight: one backbone at a time
                 for n, f in v.items():
                     if isinstance(f, dict) and 'traceback' in f:
                         f['error_file'] = save_error(out_dir, part, n, f.pop('traceback'))
-                row[key] = v
+                row.setdefault(key, {}).update(v)
             else:
                 row[key] = v
     if failure is not None:
@@ -437,6 +452,35 @@ def write_results(res, out_dir, t0):
             _write(osp.join(out_dir, f'speed_{prec}.json'), json.dumps(r, indent=1))
 
 
+def job_limit(left, part_left, jobs_left):
+    """Seconds one model may run: up to twice its even share of what its part has left, at least MIN_JOB_S, at
+    most what the budget has left."""
+    return min(left, max(MIN_JOB_S, min(part_left, 2 * part_left / jobs_left)))
+
+
+def run_part(part, jobs, res, args, argv, t0):
+    """Run the part's jobs one process each until res['parts'][part]['planned_end_s'], each row written as it
+    comes; after SIGTERM, or with less than MIN_JOB_S of the budget left, the rest are recorded as not run."""
+    entry = res['parts'][part]
+    for i, job in enumerate(jobs):
+        now = time.perf_counter() - t0
+        left = args.budget - now
+        if _STATE['stopped'] or left < MIN_JOB_S:
+            entry['rows'][job] = dict(error='not run: ' + (_STATE['stopped'] or f'{left:.0f} s of the budget left'))
+            continue
+        limit = job_limit(left, entry['planned_end_s'] - now, len(jobs) - i)
+        print(f'[device_check] {part} {job} (limit {limit:.0f} s) ...', flush=True)
+        tj = time.perf_counter()
+        printed, failure = run_job(argv, part, job, limit)
+        row = entry['rows'][job] = job_row(part, job, printed, failure, args.out_dir)
+        row['wall_s'] = time.perf_counter() - tj
+        if part == 'preflight':
+            res['env'], res['bench_env'] = row.get('env', {}), row.get('bench_env', {})
+        print(f'[device_check] {part} {job}: {"FAILED " + row["error"] if "error" in row else "done"} in '
+              f'{row["wall_s"]:.0f} s', flush=True)
+        write_results(res, args.out_dir, t0)
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -454,37 +498,20 @@ def main(argv=None):
     t0 = time.perf_counter()
     parts = ['preflight'] + [p for p in PARTS if p in args.parts and p != 'preflight']
     rest = max(0., args.budget - args.preflight_s)
-    shares = sum(SHARES[p] for p in parts[1:])
     planned_end = min(args.preflight_s, args.budget)
     for part in parts:
+        # each part may run until its planned end (its share after the earlier parts' shares): time an earlier
+        # part left unused carries over, an overrun is taken from the later parts
         if part != 'preflight':
-            planned_end += rest * SHARES[part] / shares
-        pre = res['parts'].get('preflight', {}).get('rows', {}).get('all', {})
-        jobs = part_jobs(part, args, pre.get('forward', {}))
+            planned_end += rest * SHARES[part] / sum(SHARES[p] for p in parts[1:])
         entry = res['parts'][part] = dict(rows={}, planned_end_s=planned_end)
         t_part = time.perf_counter()
+        forward = res['parts']['preflight']['rows'].get('all', {}).get('forward', {})
         if part == 'sync' and not args.device.startswith('cuda'):
-            entry['skipped'] = 'torch.cuda.set_sync_debug_mode needs CUDA (tests/test_device_check.py runs ' \
-                               'the meta-device check on CPU)'
-            jobs = []
-        for i, job in enumerate(jobs):
-            now = time.perf_counter() - t0
-            left = args.budget - now
-            part_left = planned_end - now
-            limit = min(left, max(MIN_JOB_S, min(part_left, 2 * part_left / (len(jobs) - i))))
-            if _STATE['stopped'] or left < MIN_JOB_S:
-                entry['rows'][job] = dict(error='not run: ' + (_STATE['stopped'] or f'{left:.0f} s of the budget left'))
-                continue
-            print(f'[device_check] {part} {job} (limit {limit:.0f} s) ...', flush=True)
-            tj = time.perf_counter()
-            printed, failure = run_job(argv, part, job, limit)
-            row = entry['rows'][job] = job_row(part, job, printed, failure, args.out_dir)
-            row['wall_s'] = time.perf_counter() - tj
-            if part == 'preflight':
-                res['env'], res['bench_env'] = row.get('env', {}), row.get('bench_env', {})
-            print(f'[device_check] {part} {job}: {"FAILED " + row["error"] if "error" in row else "done"} in '
-                  f'{row["wall_s"]:.0f} s', flush=True)
-            write_results(res, args.out_dir, t0)
+            entry['skipped'] = ('torch.cuda.set_sync_debug_mode needs CUDA (tests/test_device_check.py runs the '
+                                'meta-device check on CPU)')
+        else:
+            run_part(part, part_jobs(part, args, forward), res, args, argv, t0)
         entry['wall_s'] = time.perf_counter() - t_part
         write_results(res, args.out_dir, t0)
     res['complete'] = not _STATE['stopped']
@@ -526,13 +553,17 @@ def md_preflight(rows):
 
 def md_parity(rows):
     lines = [f'| model | eval: rel. max error per stage, fp32 vs fp64 (within {PARITY_TOL:g}) | TF32 on | '
+             'grads, CPU fp32 (the model\'s conditioning): max rel. max error (param), rel. L2 | '
              + ' | '.join(f'grads, {p} path (recompute={c["recompute"]}): max rel. max error (param), '
-                          f'rel. L2, loss' for p, c in PATHS.items()) + ' |', '|---|---|---|---|---|']
+                          f'rel. L2, loss (within {GRAD_FACTOR:g}x CPU fp32 or {GRAD_TOL:g})'
+                          for p, c in PATHS.items()) + ' |', '|---|---|---|---|---|---|']
     for n, v in rows.items():
         cells = []
         e = v.get('eval')
         cells += [f'{_fmt_list(e["fp32"])} ({e["ok"]})', _fmt_list(e['tf32']) if 'tf32' in e else '–'] if e \
             else ['–', '–']
+        g = v.get('grad_cpu_fp32')
+        cells.append(f'{g["max_rel_max"]:.1e} (`{g["worst"]}`), {g["rel_l2"]:.1e}' if g else '–')
         for p in PATHS:
             g = v.get(f'grad_{p}')
             cells.append(f'{g["max_rel_max"]:.1e} (`{g["worst"]}`), {g["rel_l2"]:.1e}, {g["loss"]:.1e} '
