@@ -379,13 +379,30 @@ def test_device_check_bad_arguments_say_what_is_allowed(tmp_path, args, message)
     assert r.returncode == 2 and message in r.stderr, r.stderr
 
 
+#: a file laid out like the authors' ViTTT backbone (narrow widths): our H-ViT3 under their names
+FAKE_VITTT = """
+from mmdet.registry import MODELS
+from mmplugin_l2.models.backbones.hvit3 import HViT3
+
+
+@MODELS.register_module()
+def vittt_tiny(**kwargs):
+    return HViT3(arch=dict(embed_dims=[16, 32, 64, 64], depths=[1, 1, 2, 1], num_heads=[1, 1, 2, 2]), **kwargs)
+"""
+
+
 def test_device_check_failing_model_keeps_its_traceback_and_the_others_rows(tmp_path):
     """A model that fails (planted: building it raises) has its whole traceback saved under errors/ and linked
-    from the JSON and the Markdown, in every part; the other model's rows are all there."""
-    r = subprocess.run(_check(tmp_path, '--parts', 'parity', 'speed', '--models', 'l2vit_t', 'rest_s',
+    from the JSON and the Markdown, in every part; the other models' rows are all there, the authors' code
+    (a stand-in checkout) beside ours in the speed part."""
+    from mmplugin_l2.analysis.authors import FAMILIES
+    vittt = tmp_path / 'ViTTT' / FAMILIES['ViTTT'][1]
+    vittt.parent.mkdir(parents=True)
+    vittt.write_text(FAKE_VITTT)
+    r = subprocess.run(_check(tmp_path, '--parts', 'parity', 'speed', '--models', 'hvit3_t', 'l2vit_t', 'rest_s',
                               '--parity-size', '32', '--headline', '--detection', '64/b1', '--precisions', 'fp32',
                               '--warmup', '0', '--iters', '1', '--budget', '900', '--preflight-s', '120',
-                              '--plant-fault', 'l2vit_t'),
+                              '--authors-code', f'ViTTT={tmp_path / "ViTTT"}', '--plant-fault', 'l2vit_t'),
                        capture_output=True, text=True, cwd=ROOT, timeout=900, env=dict(os.environ, OMP_NUM_THREADS='1'))
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / 'device_check.json').read_text())
@@ -398,9 +415,15 @@ def test_device_check_failing_model_keeps_its_traceback_and_the_others_rows(tmp_
         assert text.count('Traceback (most recent call last)') == 1 and text.count('device_check.py", line') >= 2, text
         assert text.rstrip().endswith('RuntimeError: planted fault in l2vit_t (--plant-fault)'), text
         assert f'([full text]({row["error_file"]}))' in md
-    assert res['parts']['parity']['rows']['rest_s']['grad_fast']['ok']
-    assert {s['kind'] for s in res['parts']['speed']['rows']['rest_s 64/b1']['samples']} == {'infer', 'train'}
-    assert 'error' not in res['parts']['speed']['rows']['swin_t 64/b1'], res['parts']['speed']['rows']
+    speed = res['parts']['speed']['rows']
+    assert list(speed) == ['hvit3_t 64/b1', 'hvit3_t@authors 64/b1', 'l2vit_t 64/b1', 'rest_s 64/b1',
+                           'swin_t 64/b1'], speed
+    for m in ('hvit3_t', 'rest_s'):
+        assert res['parts']['parity']['rows'][m]['grad_fast']['ok']
+    for job in ('hvit3_t 64/b1', 'hvit3_t@authors 64/b1', 'rest_s 64/b1', 'swin_t 64/b1'):
+        assert 'error' not in speed[job] and {s['kind'] for s in speed[job]['samples']} == {'infer', 'train'}, job
+        assert not [s for s in speed[job]['samples'] if 'error' in s], speed[job]
+    assert "| H-ViT3-T vs H-ViT3-T (authors' code) | 1 | 64×64 |" in md
 
 
 def test_device_check_model_time_limit(tmp_path):
