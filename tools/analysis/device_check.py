@@ -19,7 +19,7 @@ model table mmplugin_l2/analysis/models.py, the speed samples mmplugin_l2/analys
 Parts, in priority order (share of what preflight leaves of --budget; time a part leaves unused carries over):
 * preflight (--preflight-s): versions, device, which of mmdet / mmpretrain / mmcv ops / timm import; one
   tiny forward of each backbone, Swin-T and DeiT-T on the device, each failure's traceback saved.
-* parity (25 %): each of --models with random weights, biases and norm parameters included
+* parity (32 %): each of --models with random weights, biases and norm parameters included
   (`authors.randomize_`), batch 2 at --parity-size: the eval outputs on the device in fp32 (TF32 off; on CUDA
   also TF32 on) against float64 on the CPU (rel. max error per stage), and the training gradients of all
   parameters (loss: sum of the output maps' mean squares) with the fast training path on (recompute=True)
@@ -30,7 +30,7 @@ Parts, in priority order (share of what preflight leaves of --budget; time a par
   input), parameters finite after the optimizer step.
 * sync (8 %, CUDA only): forward + backward (train, with and without with_cp) and eval forward under
   torch.cuda.set_sync_debug_mode('error').
-* speed (52 %): inference and training step (median, min-max, peak memory) per --precisions: ViT3-T against
+* speed (45 %): inference and training step (median, min-max, peak memory) per --precisions: ViT3-T against
   DeiT-T per --headline entry; H-ViT3-T, L2ViT-T, ResT-S against Swin-T (and the authors' code when
   --authors-code names it) per --detection entry.
 """
@@ -55,7 +55,7 @@ from mmplugin_l2.analysis.precision import grads_error, rel_max
 
 PARTS = ['preflight', 'parity', 'amp', 'sync', 'speed']
 #: share of the budget that preflight leaves, per part
-SHARES = {'parity': .25, 'amp': .15, 'sync': .08, 'speed': .52}
+SHARES = {'parity': .32, 'amp': .15, 'sync': .08, 'speed': .45}
 #: a model is not started with less than this many seconds of the budget left
 MIN_JOB_S = 10.
 OURS = ['hvit3_t', 'vit3_t', 'l2vit_t', 'rest_s']
