@@ -1,4 +1,4 @@
-"""L2ViT: window attention, linear attention + clamp, LCM against slow references; shapes at odd sizes;
+"""L2ViT: the window and linear attention layers and the blocks against the ops' naive forms, the clamp; shapes at odd sizes;
 AMP; freezing, norm_eval, with_cp; parameter counts; registries; the authors' checkpoint layout, loading
 and conversion."""
 import argparse
@@ -7,6 +7,7 @@ import math
 import os.path as osp
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
@@ -17,6 +18,9 @@ from conftest import assert_pyramid_shapes, ROOT, TINY_L2VIT
 from mmplugin_l2 import L2ViT
 from mmplugin_l2.models.backbones.l2vit import LGABlock, LWABlock
 from mmplugin_l2.models.layers import LCM, LinearAttention, WindowAttention, window_partition, window_reverse
+from mmplugin_l2.models.ops.linear_attention.naive import linear_attention_naive
+from mmplugin_l2.models.ops.window_attention import padding_key_mask
+from mmplugin_l2.models.ops.window_attention.naive import window_attention_naive, window_msa_naive
 
 TINY = TINY_L2VIT
 
@@ -128,35 +132,12 @@ def test_param_counts(arch, det, cls):
 
 # ---------------------------------------------------------------- window attention
 def naive_window_attention(attn, x, hw, ws, mask_padding=False):
-    """Loop over the windows of the zero-padded map, float64 softmax attention per window."""
-    b, n, c = x.shape
-    h, w = hw
-    hp, wp = math.ceil(h / ws) * ws, math.ceil(w / ws) * ws
-    xm = torch.zeros(b, hp, wp, c, dtype=x.dtype)
-    xm[:, :h, :w] = x.view(b, h, w, c)
-    valid = torch.zeros(hp, wp, dtype=torch.bool)
-    valid[:h, :w] = True
-    out = torch.zeros_like(xm)
-    nh, d = attn.num_heads, c // attn.num_heads
-    for bi in range(b):
-        for r in range(0, hp, ws):
-            for s in range(0, wp, ws):
-                t = xm[bi, r:r + ws, s:s + ws].reshape(-1, c)
-                keep = valid[r:r + ws, s:s + ws].reshape(-1)
-                qkv = t @ attn.qkv.weight.T + attn.qkv.bias
-                heads = []
-                for hd in range(nh):
-                    q = qkv[:, hd * d:(hd + 1) * d]
-                    k = qkv[:, c + hd * d:c + (hd + 1) * d]
-                    v = qkv[:, 2 * c + hd * d:2 * c + (hd + 1) * d]
-                    logits = q @ k.T / math.sqrt(d)
-                    if mask_padding:
-                        logits[:, ~keep] = float('-inf')
-                    p = torch.exp(logits - logits.max(-1, keepdim=True).values)
-                    heads.append((p / p.sum(-1, keepdim=True)) @ v)
-                out[bi, r:r + ws, s:s + ws] = (torch.cat(heads, -1) @ attn.proj.weight.T
-                                               + attn.proj.bias).view(ws, ws, c)
-    return out[:, :h, :w].reshape(b, h * w, c)
+    """The layer `attn` as the naive op computes it: window by window, the explicit softmax
+    (ops/window_attention/naive.py), with the padding key mask the layer builds when `mask_padding`."""
+    padded = (-(-hw[0] // ws) * ws, -(-hw[1] // ws) * ws)
+    mask = (padding_key_mask(hw, padded, ws, 'cpu').repeat(x.shape[0], 1)
+            if mask_padding and padded != tuple(hw) else None)
+    return window_attention_naive(x, hw, ws, partial(window_msa_naive, attn), mask)
 
 
 def test_window_partition_roundtrip():
@@ -199,21 +180,13 @@ def test_window_padding_is_unmasked_by_default():
 
 # ---------------------------------------------------------------- linear attention and the clamp
 def explicit_linear_attention(attn, x, clamp_min=100.):
-    """Softmax-free attention with the explicit N x N matrix A = ReLU(Q) ReLU(K)^T per head:
-    out_i = t_h sum_j A_ij v_j / max(sum_j A_ij, clamp_min)."""
+    """The layer `attn` with the naive op (ops/linear_attention/naive.py: the N x N matrix written out) between
+    its qkv and proj Linears; and which (batch, head, query) denominators the clamp binds."""
     b, n, c = x.shape
-    nh = attn.num_heads
-    d = c // nh
-    qkv = x @ attn.qkv.weight.T + attn.qkv.bias
-    outs = []
-    for hd in range(nh):
-        q = qkv[..., hd * d:(hd + 1) * d].relu()
-        k = qkv[..., c + hd * d:c + (hd + 1) * d].relu()
-        v = qkv[..., 2 * c + hd * d:2 * c + (hd + 1) * d]
-        a = q @ k.transpose(-2, -1)                                   # (B, N, N)
-        den = a.sum(-1, keepdim=True).clamp(min=clamp_min)
-        outs.append(attn.temperature[hd, 0, 0] * (a @ v) / den)
-    return torch.cat(outs, -1) @ attn.proj.weight.T + attn.proj.bias, (a.sum(-1) < clamp_min)
+    q, k, v = attn.qkv(x).view(b, n, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4)
+    out = linear_attention_naive(q, k, v, attn.temperature, clamp_min)
+    clamped = (q.relu() @ k.relu().transpose(-2, -1)).sum(-1) < clamp_min
+    return attn.proj(out.transpose(1, 2).reshape(b, n, c)), clamped
 
 
 def _attention_and_tokens():
@@ -344,45 +317,6 @@ def test_backbone_bf16_autocast_finite():
     for o, r in zip(outs, ref):
         assert torch.isfinite(o).all()
         assert (o.float() - r).abs().mean() < 0.1 * r.abs().mean()
-
-
-# ---------------------------------------------------------------- LCM
-def slow_dwconv(x, weight, bias):
-    """Depth-wise 'same' convolution as an explicit sum over kernel offsets (zero padding)."""
-    b, c, h, w = x.shape
-    k = weight.shape[-1]
-    p = k // 2
-    xp = torch.zeros(b, c, h + 2 * p, w + 2 * p, dtype=x.dtype)
-    xp[:, :, p:p + h, p:p + w] = x
-    out = torch.zeros_like(x) + bias.view(1, c, 1, 1)
-    for i in range(k):
-        for j in range(k):
-            out += weight[:, 0, i, j].view(1, c, 1, 1) * xp[:, :, i:i + h, j:j + w]
-    return out
-
-
-@pytest.mark.parametrize('train', [False, True])
-def test_lcm_against_slow_reference(train):
-    lcm = randomize_norms(LCM(6)).double().train(train)
-    with torch.no_grad():
-        for conv in (lcm.conv1, lcm.conv2):
-            conv.bias.normal_()
-    h, w = 9, 5
-    x = torch.randn(2, h * w, 6, dtype=torch.float64)
-    rm, rv = lcm.bn.running_mean.clone(), lcm.bn.running_var.clone()
-    got = lcm(x, (h, w))
-    m = x.transpose(1, 2).reshape(2, 6, h, w)
-    y = slow_dwconv(m, lcm.conv1.weight, lcm.conv1.bias)
-    y = 0.5 * y * (1 + torch.erf(y / math.sqrt(2)))                  # exact GELU
-    if train:
-        mean, var = y.mean((0, 2, 3)), y.var((0, 2, 3), unbiased=False)
-    else:
-        mean, var = rm, rv
-    y = (y - mean.view(1, -1, 1, 1)) / torch.sqrt(var.view(1, -1, 1, 1) + 1e-5)
-    y = y * lcm.bn.weight.view(1, -1, 1, 1) + lcm.bn.bias.view(1, -1, 1, 1)
-    y = slow_dwconv(y, lcm.conv2.weight, lcm.conv2.bias)
-    torch.testing.assert_close(got, y.flatten(2).transpose(1, 2), rtol=0, atol=1e-12)
-    assert lcm.conv1.kernel_size == (7, 7) and lcm.conv1.groups == 6
 
 
 # ---------------------------------------------------------------- the blocks against the paper's equations

@@ -162,6 +162,23 @@ def _naive(m, x, hw, norm=None):
     return lcm_naive(x, hw, m.conv1, m.bn, m.conv2, norm)
 
 
+@pytest.mark.parametrize('train', [False, True])
+def test_lcm_layer_matches_naive(train):
+    """The LCM module in eval / train mode (autograd recording: the reference; a train-mode BN normalises with
+    the batch's statistics) = the naive Eqs. 6-7: values and gradients; the kernels are 7x7 depth-wise."""
+    torch.manual_seed(0)
+    m = LCM(6).double().train(train)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.5)
+        m.bn.running_mean.normal_(0, 0.3)
+        m.bn.running_var.uniform_(0.5, 2.0)
+    assert m.conv1.kernel_size == m.conv2.kernel_size == (7, 7) and m.conv1.groups == m.conv2.groups == 6
+    hw = (9, 5)
+    x = torch.randn(2, hw[0] * hw[1], 6, dtype=torch.float64, requires_grad=True)
+    assert_matches_naive(lambda t: copy.deepcopy(m)(t, hw), lambda t: _naive(m, t, hw), [x])
+
+
 @pytest.mark.parametrize('hw', [(7, 5), (4, 9)])
 @pytest.mark.parametrize('with_norm', [False, True])
 def test_lcm_inference_in_pieces_matches_naive(hw, with_norm):
