@@ -1,0 +1,104 @@
+"""`torch.compile` in training, as mmengine's `compile=True` runs it (`torch.compile(model.train_step, ...)`: the
+backbone's forward runs inside the compiled function, its parts compiled frame by frame between the graph
+breaks): a tiny backbone of each family, compiled with inductor once, trains one step (forward, backward of
+the summed output means), and its parameter gradients are as close to float64 as eager fp32's are.
+
+One compile per family to keep the file short on a CPU: every family with `dynamic=True`; `with_cp=True` for
+ViT3, L2ViT (whose LCM BatchNorms run inside the checkpointed blocks: running statistics updated once) and ResT,
+`with_cp=False` for H-ViT3 (its blocks' own saved conv inputs). `MMPLUGIN_L2_COMPILE_MATRIX=1` runs every
+family both ways (8 compiles).
+"""
+import copy
+import os
+
+import pytest
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST
+from mmplugin_l2.models.backbones import HViT3, L2ViT, ResT, ViT3
+
+BUILDERS = {
+    'hvit3': lambda **kw: HViT3(arch=TINY_HVIT3, drop_path_rate=0., **kw),
+    'vit3': lambda **kw: ViT3(arch=dict(embed_dims=32, num_layers=2, num_heads=2), out_indices=(0, 1), **kw),
+    'l2vit': lambda **kw: L2ViT(arch=TINY_L2VIT, drop_path_rate=0., **kw),
+    'rest': lambda **kw: ResT(arch=TINY_REST, drop_path_rate=0., **kw),
+}
+DEFAULT_CASES = [('hvit3', False), ('vit3', True), ('l2vit', True), ('rest', True)]
+CASES = ([(f, cp) for f in BUILDERS for cp in (False, True)] if os.environ.get('MMPLUGIN_L2_COMPILE_MATRIX')
+         else DEFAULT_CASES)
+
+
+def _step(model, x, run=None):
+    """One training step's forward and backward of `run` (default: `model`; e.g. its compiled form):
+    {name in `model`: gradient} of sum(output means)."""
+    model.zero_grad(set_to_none=True)
+    sum(o.mean() for o in (model if run is None else run)(x)).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _bn_statistics(model):
+    """{name: (running_mean, running_var, num_batches_tracked)} of the train-mode BatchNorms."""
+    return {n: (m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone())
+            for n, m in model.named_modules() if isinstance(m, _BatchNorm) and m.track_running_stats}
+
+
+def _relative_error(grads, ref):
+    """||g - g64|| / ||g64|| over all parameters together."""
+    num = sum((grads[n].double() - g).square().sum() for n, g in ref.items())
+    den = sum(g.square().sum() for g in ref.values())
+    return (num / den).sqrt().item()
+
+
+@pytest.fixture(scope='module', params=CASES, ids=[f'{f}-cp' if cp else f'{f}-nocp' for f, cp in CASES])
+def compiled_step(request):
+    """Eager fp32, eager float64 and compiled (inductor, dynamic=True) runs of one training step of the same
+    weights: their gradients and BatchNorm statistics."""
+    family, with_cp = request.param
+    torch.manual_seed(0)
+    eager = BUILDERS[family](with_cp=with_cp).train()
+    x = torch.randn(2, 3, 64, 64)
+    bn_before = _bn_statistics(eager)
+    compiled = copy.deepcopy(eager)
+    double = copy.deepcopy(eager).double()
+    plain = copy.deepcopy(eager)          # no checkpointing: BN statistics updated exactly once
+    plain.with_cp = False
+    torch._dynamo.reset()
+    grads = dict(compiled=_step(compiled, x, torch.compile(compiled, dynamic=True)), eager=_step(eager, x),
+                 double=_step(double, x.double()))
+    _step(plain, x)
+    stats = dict(before=bn_before, eager=_bn_statistics(eager), compiled=_bn_statistics(compiled),
+                 plain=_bn_statistics(plain))
+    return family, with_cp, grads, stats
+
+
+def test_compiled_gradients_as_close_to_float64_as_eager(compiled_step):
+    """Every parameter gets a gradient; over all parameters the compiled step's error against float64 is at most
+    5x eager fp32's (or 1e-6 relative, a few fp32 roundings: inductor fuses and reorders fp32 sums), and so is
+    each parameter's, up to 1e-4 of its largest gradient plus 1e-6 of the model's (parameters whose float64
+    gradient is zero, e.g. biases before a norm, keep only fp32 rounding)."""
+    family, _, grads, _ = compiled_step
+    assert grads['compiled'].keys() == grads['double'].keys() == grads['eager'].keys()
+    err_compiled = _relative_error(grads['compiled'], grads['double'])
+    err_eager = _relative_error(grads['eager'], grads['double'])
+    print(f'{family}: gradient error vs float64, compiled {err_compiled:.2e}, eager fp32 {err_eager:.2e}')
+    assert err_compiled <= max(5 * err_eager, 1e-6), (family, err_compiled, err_eager)
+    top = max(g.abs().max().item() for g in grads['double'].values())
+    for n, g in grads['double'].items():
+        eager = (grads['eager'][n].double() - g).abs().max().item()
+        compiled = (grads['compiled'][n].double() - g).abs().max().item()
+        assert compiled <= 5 * eager + 1e-4 * g.abs().max().item() + 1e-6 * top, (family, n, compiled, eager)
+
+
+def test_batchnorm_statistics_updated_once(compiled_step):
+    """With or without checkpointing, eager or compiled: each train-mode BatchNorm counted the batch once
+    (num_batches_tracked 1) and its running statistics equal those of the plain eager step."""
+    family, with_cp, _, stats = compiled_step
+    if not stats['before']:
+        pytest.skip(f'{family} has no BatchNorm')
+    for run in ('eager', 'compiled'):
+        for n, (mean, var, tracked) in stats[run].items():
+            p_mean, p_var, p_tracked = stats['plain'][n]
+            assert tracked.item() == 1 == p_tracked.item(), (family, run, n)
+            torch.testing.assert_close(mean, p_mean, rtol=1e-4, atol=1e-6, msg=lambda m: f'{run} {n}: {m}')
+            torch.testing.assert_close(var, p_var, rtol=1e-4, atol=1e-6, msg=lambda m: f'{run} {n}: {m}')
