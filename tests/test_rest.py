@@ -1,5 +1,5 @@
-"""ResT backbone: shapes at any size, EMSA against a slow reference, the chunked (memory-saving) attention
-against the dense one, freezing, norm_eval, with_cp, output-norm placement, parameter counts, registries,
+"""ResT backbone: shapes at any size, the EMSA layer against the spec (its attention: the naive op), the backbone
+with and without the memory-saving attention, freezing, norm_eval, with_cp, output-norm placement, parameter counts, registries,
 and the authors' checkpoint layouts (classification and detectron2) through init_cfg and the convert tool."""
 import math
 import re
@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_pyramid_shapes, assert_with_cp_matches, ROOT, TINY_REST, saved_for_backward
+from conftest import assert_pyramid_shapes, assert_with_cp_matches, ROOT, TINY_REST
 from mmplugin_l2 import ResT
-from mmplugin_l2.models.layers import (EMSA, ChunkedEMSAAttention, emsa_attention, naive_emsa_attention,
-                                      set_memory_policy)
+from mmplugin_l2.models.layers import EMSA, set_memory_policy
+from mmplugin_l2.models.ops.emsa.naive import emsa_attention_naive
 
 # the authors' classification models (docs/rest.md, Architecture): total parameters incl. the 1000-way head
 CLS_PARAMS = {'lite': 10_508_300, 'small': 13_679_708, 'base': 30_327_052, 'large': 51_676_156}
@@ -71,7 +71,8 @@ def test_out_indices_and_out_channels():
 
 # ---------------------------------------------------------------- EMSA
 def slow_emsa(m, x, hw):
-    """EMSA written out from the spec (docs/rest.md, Architecture), one image and one head at a time."""
+    """EMSA written out from the spec (docs/rest.md, Architecture): the reduction by an explicit loop over the
+    strided windows, the attention by the naive op (ops/emsa/naive.py)."""
     b, n, c = x.shape
     h = m.num_heads
     d = c // h
@@ -94,19 +95,11 @@ def slow_emsa(m, x, hw):
         kv_in = x
     kv = kv_in @ m.kv.weight.T + m.kv.bias
     key, val = kv[..., :c], kv[..., c:]  # rows [0:C] are K, [C:2C] are V
-    out = x.new_zeros(b, n, c)
-    for i in range(b):
-        scores = torch.stack([q[i, :, j * d:(j + 1) * d] @ key[i, :, j * d:(j + 1) * d].T * d ** -0.5
-                              for j in range(h)])                                  # (h, N, N')
-        if h > 1:
-            wt, bt = m.transform_conv.weight[:, :, 0, 0], m.transform_conv.bias
-            scores = torch.einsum('gh,hnm->gnm', wt, scores) + bt[:, None, None]
-        e = torch.exp(scores - scores.amax(-1, keepdim=True))
-        a = e / e.sum(-1, keepdim=True)
-        if h > 1:  # instance norm: each head's whole N x N' map
-            a = (a - a.mean((1, 2), keepdim=True)) / torch.sqrt(a.var((1, 2), unbiased=False, keepdim=True) + 1e-5)
-        for j in range(h):
-            out[i, :, j * d:(j + 1) * d] = a[j] @ val[i, :, j * d:(j + 1) * d]
+
+    def heads(t):
+        return t.unflatten(-1, (h, d)).transpose(1, 2)
+    conv = m.transform_conv if h > 1 else None
+    out = emsa_attention_naive(heads(q), heads(key), heads(val), d ** -0.5, conv).transpose(1, 2).reshape(b, n, c)
     return out @ m.proj.weight.T + m.proj.bias
 
 
@@ -143,71 +136,11 @@ def test_single_head_stage_skips_conv_and_instance_norm(monkeypatch):
         q = m.q(x).reshape(2, 16, m.num_heads, -1).transpose(1, 2)
         t = m.sr_norm(m.sr(x.transpose(1, 2).reshape(2, 16, 4, 4)).flatten(2).transpose(1, 2))
         k, v = m.kv(t).reshape(2, 4, 2, m.num_heads, -1).permute(2, 0, 3, 1, 4)
-        s = q @ k.transpose(-2, -1) * m.scale
-        a = s.softmax(-1) if m.num_heads == 1 else F.instance_norm(m.transform_conv(s).softmax(-1), eps=1e-5)
-        ref = (a @ v).transpose(1, 2).reshape(2, 16, 16)
-        torch.testing.assert_close(seen[0], ref, rtol=0, atol=1e-12)
-    # and the single-head form is exactly softmax(q k^T / sqrt(d)) v
-    q, k, v = torch.randn(3, 1, 1, 10, 16).unbind(0)
-    ref = torch.softmax(q @ k.transpose(-2, -1) / 4, -1) @ v
-    torch.testing.assert_close(naive_emsa_attention(q, k, v, 0.25), ref)
+        ref = emsa_attention_naive(q, k, v, m.scale, m.transform_conv if m.num_heads > 1 else None)
+        torch.testing.assert_close(seen[0], ref.transpose(1, 2).reshape(2, 16, 16), rtol=0, atol=1e-12)
 
 
-# ---------------------------------------------------------------- the memory-saving path
-def qkv_and_conv(b, h, n, nk, d, dtype):
-    q = torch.randn(b, h, n, d, dtype=dtype, requires_grad=True)
-    k = torch.randn(b, h, nk, d, dtype=dtype, requires_grad=True)
-    v = torch.randn(b, h, nk, d, dtype=dtype, requires_grad=True)
-    conv = torch.nn.Conv2d(h, h, 1).to(dtype) if h > 1 else None
-    if conv is not None:
-        with torch.no_grad():
-            conv.weight.add_(torch.randn_like(conv.weight) * 0.5)
-    return q, k, v, conv
-
-
-@pytest.mark.parametrize('h', [1, 3])
-@pytest.mark.parametrize('dtype,tol', [(torch.float64, 1e-11), (torch.float32, 2e-5)])
-def test_chunked_attention_equals_dense_values_and_grads(h, dtype, tol):
-    b, n, nk, d = 2, 53, 11, 8
-    q, k, v, conv = qkv_and_conv(b, h, n, nk, d, dtype)
-    dout = torch.randn(b, h, n, d, dtype=dtype)
-    leaves = [q, k, v] + (list(conv.parameters()) if conv is not None else [])
-    dense = naive_emsa_attention(q, k, v, d ** -0.5, conv)
-    g_dense = torch.autograd.grad(dense, leaves, dout)
-    for chunk in (b * h * nk * 5, b * h * nk * 17, 1):  # 5 and 17 rows (53 not divisible), 1 row
-        out = emsa_attention(q, k, v, d ** -0.5, conv, piece=chunk)
-        assert out.grad_fn is not None and 'ChunkedEMSAAttention' in type(out.grad_fn).__name__
-        torch.testing.assert_close(out, dense, rtol=tol, atol=tol)
-        for g, gd, name in zip(torch.autograd.grad(out, leaves, dout), g_dense, 'q k v w b'.split()):
-            torch.testing.assert_close(g, gd, rtol=tol, atol=tol * 10, msg=name)
-
-
-def test_chunked_attention_gradcheck():
-    q, k, v, conv = qkv_and_conv(1, 2, 7, 4, 3, torch.float64)
-    w = conv.weight.detach().clone().requires_grad_()
-    bias = conv.bias.detach().clone().requires_grad_()
-    assert torch.autograd.gradcheck(lambda *t: ChunkedEMSAAttention.apply(*t, 0.7, 1e-5, 3), (q, k, v, w),
-                                    fast_mode=True)
-    assert torch.autograd.gradcheck(lambda *t: ChunkedEMSAAttention.apply(*t, None, 0.7, 1e-5, 2), (q, k, v),
-                                    fast_mode=True)
-
-
-def saved_numels(fn):
-    out, saved = saved_for_backward(fn)
-    return out, [t.numel() for t in saved]
-
-
-def test_chunked_attention_keeps_no_attention_map():
-    b, h, n, nk, d = 1, 2, 4096, 64, 4
-    map_numel = b * h * n * nk
-    q, k, v, conv = qkv_and_conv(b, h, n, nk, d, torch.float32)
-    _, dense = saved_numels(lambda: emsa_attention(q, k, v, 0.3, conv, piece=None))
-    _, chunked = saved_numels(lambda: emsa_attention(q, k, v, 0.3, conv, piece=2 ** 14))
-    assert sum(s >= map_numel for s in dense) >= 3  # conv input, softmax output, IN output
-    assert max(chunked) < map_numel // 8
-    assert sum(chunked) < sum(dense) / 8
-
-
+# ---------------------------------------------------------------- the memory-saving path (op tests: tests/ops/test_emsa.py)
 @pytest.mark.parametrize('dtype,tol', [(torch.float64, 1e-12), (torch.float32, 1e-6)])
 def test_backbone_chunked_equals_dense_values_and_grads(dtype, tol):
     """Whole backbone, train mode: outputs and every parameter gradient. Tolerances are relative to the
@@ -227,28 +160,6 @@ def test_backbone_chunked_equals_dense_values_and_grads(dtype, tol):
     scale = max(p.grad.abs().max().item() for p in dense.parameters())
     for (name, p), q in zip(dense.named_parameters(), chunked.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=tol * scale, msg=name)
-
-
-def test_dense_path_up_to_twice_the_piece_size():
-    """EMSA in training: dense up to 2 * max_elems map entries, chunked above; never chunked in eval mode
-    or with recompute=False."""
-    m = EMSA(8, 2, 1, qkv_bias=True)
-    x = torch.randn(1, 10, 8)            # 1 x 2 heads x 10 queries x 10 keys = 200 entries
-
-    def chunked(max_elems, train=True, recompute=True):
-        set_memory_policy(m, dict(max_elems=max_elems))
-        m.recompute = recompute
-        m.train(train)
-        calls = []
-        orig = ChunkedEMSAAttention.apply
-        ChunkedEMSAAttention.apply = staticmethod(lambda *a: calls.append(1) or orig(*a))
-        try:
-            m(x, (2, 5))
-        finally:
-            ChunkedEMSAAttention.apply = orig
-        return bool(calls)
-    assert not chunked(100) and chunked(99)
-    assert not chunked(10, train=False) and not chunked(10, recompute=False)
 
 
 # ---------------------------------------------------------------- output norm placement

@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import saved_for_backward
+
 import mmplugin_l2.models.ops.emsa as emsa_op
 from mmplugin_l2.models.layers import EMSA
 from mmplugin_l2.models.ops import INFERENCE, TRAIN, Path
@@ -121,6 +123,21 @@ def test_fast_paths_under_autocast(dtype, heads):
     torch.testing.assert_close(gq.float(), gq_ref, rtol=0, atol=8 * torch.finfo(dtype).eps * gq_ref.abs().max())
 
 
+def test_train_function_keeps_no_attention_map():
+    """The train function saves no (B, h, N, N') map for backward (the dense form saves at least three: the
+    conv input, the softmax output, the IN output)."""
+    b, h, n, nk, d = 1, 2, 4096, 64, 4
+    map_numel = b * h * n * nk
+    q, k, v = (t.float().requires_grad_() for t in _qkv(b, h, n, nk, d))
+    conv = torch.nn.Conv2d(h, h, 1)
+
+    def saved(path):
+        return [t.numel() for t in saved_for_backward(lambda: emsa_attention(q, k, v, 0.3, conv, 1e-5, path))[1]]
+    dense, pieces = saved(Path.reference()), saved(Path(TRAIN, 2 ** 14))
+    assert sum(s >= map_numel for s in dense) >= 3
+    assert max(pieces) < map_numel // 8 and sum(pieces) < sum(dense) / 8
+
+
 # ---------------------------------------------------------------- the layer's dispatch
 def _Calls(monkeypatch):
     return record_calls(monkeypatch, emsa_op, emsa_in_pieces='inference', ChunkedEMSAAttention='train')
@@ -149,6 +166,23 @@ def test_pieces_only_on_the_policys_devices(monkeypatch, devices, pieces):
     with torch.no_grad():
         torch.testing.assert_close(m(x, (9, 7)), ref(x, (9, 7)), rtol=1e-10, atol=1e-12)
     assert calls.names == (['train', 'inference'] if pieces else [])
+
+
+def test_whole_maps_up_to_twice_the_piece_size(monkeypatch):
+    """In training the train function takes pieces above 2 * max_elems map entries, whole maps up to it; never
+    in eval mode with autograd or with recompute=False."""
+    calls = _Calls(monkeypatch)
+    m = EMSA(8, 2, 1, qkv_bias=True)
+    x = torch.randn(1, 10, 8)            # 1 x 2 heads x 10 queries x 10 keys = 200 entries
+
+    def pieces(max_elems, train=True, recompute=True):
+        set_memory_policy(m, dict(max_elems=max_elems))
+        m.recompute = recompute
+        calls.clear()
+        m.train(train)(x, (2, 5))
+        return 'train' in calls.names
+    assert not pieces(100) and pieces(99)
+    assert not pieces(10, train=False) and not pieces(10, recompute=False)
 
 
 def test_eval_with_grad_and_train_under_no_grad_take_the_reference(monkeypatch):
