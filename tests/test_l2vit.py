@@ -1,4 +1,5 @@
-"""L2ViT: the window and linear attention layers and the blocks against the ops' naive forms, the clamp; shapes at odd sizes;
+"""L2ViT: the window and linear attention layers and the blocks against the ops' naive forms, the clamp; shapes
+at odd sizes;
 AMP; freezing, norm_eval, with_cp; parameter counts; registries; the authors' checkpoint layout, loading
 and conversion."""
 import argparse

@@ -1,6 +1,7 @@
-"""ResT backbone: shapes at any size, the EMSA layer against the spec (its attention: the naive op), the backbone
-with and without the memory-saving attention, freezing, norm_eval, with_cp, output-norm placement, parameter counts, registries,
-and the authors' checkpoint layouts (classification and detectron2) through init_cfg and the convert tool."""
+"""ResT backbone: shapes at any size, the EMSA layer against the spec (its attention: the naive op), the
+backbone with and without the memory-saving attention, freezing, norm_eval, with_cp, output-norm placement,
+parameter counts, registries, and the authors' checkpoint layouts (classification and detectron2) through
+init_cfg and the convert tool."""
 import math
 import re
 import subprocess
@@ -99,7 +100,8 @@ def slow_emsa(m, x, hw):
     def heads(t):
         return t.unflatten(-1, (h, d)).transpose(1, 2)
     conv = m.transform_conv if h > 1 else None
-    out = emsa_attention_naive(heads(q), heads(key), heads(val), d ** -0.5, conv).transpose(1, 2).reshape(b, n, c)
+    out = emsa_attention_naive(heads(q), heads(key), heads(val), d ** -0.5, conv)
+    out = out.transpose(1, 2).reshape(b, n, c)
     return out @ m.proj.weight.T + m.proj.bias
 
 
@@ -140,7 +142,7 @@ def test_single_head_stage_skips_conv_and_instance_norm(monkeypatch):
         torch.testing.assert_close(seen[0], ref.transpose(1, 2).reshape(2, 16, 16), rtol=0, atol=1e-12)
 
 
-# ---------------------------------------------------------------- the memory-saving path (op tests: tests/ops/test_emsa.py)
+# ---------------------------------------------------------------- the memory-saving path (ops: tests/ops/test_emsa.py)
 @pytest.mark.parametrize('dtype,tol', [(torch.float64, 1e-12), (torch.float32, 1e-6)])
 def test_backbone_chunked_equals_dense_values_and_grads(dtype, tol):
     """Whole backbone, train mode: outputs and every parameter gradient. Tolerances are relative to the

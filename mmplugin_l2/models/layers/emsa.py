@@ -16,7 +16,8 @@ For tokens x (B, N, C) of an (H, W) map, h heads of d = C / h channels, spatial 
     h = 1:  A = softmax(S)                                no conv and no IN, as the authors' code
     out  = Linear_proj(merge_heads(A @ v))             -> (B, N, C)
 
-A @ v is the op `ops.emsa` (a well-conditioned form of the same function; its reference and fast paths are
+The maths of A @ v: `ops/emsa/naive.py` (`emsa_attention_naive`: Eq. 4 as written). It runs as the op
+`ops.emsa` (a well-conditioned form of the same function; its reference and fast paths are
 described there), chosen once per forward by `ops.dispatch.choose`.
 """
 import torch.nn as nn

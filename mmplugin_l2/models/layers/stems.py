@@ -7,7 +7,8 @@ says tokens.
   `L2ViTDownsample` (LayerNorm, 2x2 stride-2 conv; tokens in and out).
 * ResT: `ResTStem` (three convs, stride 4, PA) and `ResTPatchEmbed` (3x3 stride-2 conv, BN, PA).
 
-The H-ViT3 and L2ViT convolution chains are the op `ops.conv.conv_chain`: at inference on large images in
+The H-ViT3 and L2ViT convolution chains are the op `ops.conv.conv_chain` (the maths: `ops/conv/naive.py`,
+`conv_chain_naive`: F.conv2d and the BN formula): at inference on large images in
 bands of rows (same values), as `ops.dispatch.choose` and the memory policy say (the piece: a band of the
 chain's widest intermediate).
 """

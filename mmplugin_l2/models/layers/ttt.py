@@ -7,8 +7,9 @@ inner model is applied to the queries. Two inner models run side by side:
 * simplified SwiGLU, f(x) = (x W1) * SiLU(x W2), one per head (H heads of width d);
 * a depth-wise 3x3 conv over one extra "conv head" of width d.
 
-Both gradients are normalised as g / (||g|| + 1). The maths and its fast implementations live in `ops.ttt`
-(`reference.ttt_core`: the formula; `pieces`: inference in pieces of tokens; `train.TTTCore`: closed-form
+Both gradients are normalised as g / (||g|| + 1). The maths: `ops/ttt/naive.py` (`ttt_core_naive`: the inner
+step by autograd, as the paper writes it). Its implementations live in `ops.ttt` (`reference.ttt_core`: whole
+maps, export-friendly; `pieces`: inference in pieces of tokens; `train.TTTCore`: closed-form
 backward); this module owns the parameters and picks the implementation once per forward (`ops.dispatch`).
 """
 import torch

@@ -5,7 +5,9 @@ non-overlapping w x w windows; inside each window, with q, k, v = Linear(C, 3C) 
 
     out = Linear_proj(merge_heads(softmax(q k^T * d^-0.5) v))
 
-and the windows are put back and cropped to H x W: (B, N, C) in, (B, N, C) out.
+and the windows are put back and cropped to H x W: (B, N, C) in, (B, N, C) out. The maths:
+`ops/window_attention/naive.py` (`window_attention_naive` window by window, `window_msa_naive` the explicit
+softmax).
 
 * No relative position bias and no shift (L2ViT's CPE replaces the bias); keys `qkv.*`, `proj.*` (the
   authors' layout).

@@ -1,5 +1,6 @@
-"""EMSA's attention op, A @ v: `reference` (whole maps, plain autograd), `pieces` (inference over pieces of
-queries), `train` (pieces of queries recomputed in backward). `emsa_attention` dispatches between them."""
+"""EMSA's attention op, A @ v: `naive` (the maths: Eq. 4 as written; the tests' oracle), `reference` (whole
+maps, plain autograd), `pieces` (inference over pieces of queries), `train` (pieces of queries recomputed in
+backward). `emsa_attention` dispatches between them."""
 import torch
 
 from ..dispatch import Path

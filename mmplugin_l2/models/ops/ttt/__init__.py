@@ -1,4 +1,5 @@
-"""The TTT layer's op (H-ViT3 / ViT3): `reference` (the inner models on whole maps, plain autograd), `pieces`
+"""The TTT layer's op (H-ViT3 / ViT3): `naive` (the maths: the paper's inner step by autograd; the tests' oracle),
+`reference` (the inner models on whole maps, plain autograd), `pieces`
 (inference in pieces of tokens, without autograd), `train` (`TTTCore`: closed-form backward, pieces of tokens).
 `ttt_attention` dispatches between them."""
 from ..dispatch import INFERENCE, TRAIN

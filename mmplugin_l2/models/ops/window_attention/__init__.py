@@ -1,4 +1,5 @@
-"""Window attention op (attention inside non-overlapping windows): `reference` (whole map, padding and mask),
+"""Window attention op (attention inside non-overlapping windows): `naive` (the maths: window by window, the
+explicit softmax; the tests' oracle), `reference` (whole map, padding and mask),
 `pieces` (inference in pieces of window rows). `window_attention` dispatches between them."""
 from ..dispatch import INFERENCE
 from .pieces import window_attention_in_pieces
