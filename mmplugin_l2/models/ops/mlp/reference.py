@@ -6,25 +6,11 @@
 Tokens (B, N, C) in, (B, N, C_out) out; ConvMlp's tokens form an (H, W) map.
 """
 from ...layers.tokens import tokens_conv
+from .naive import mlp_naive
 
 
-def mlp_reference(x, fc1, fc2, act, drop, norm=None):
-    """fc2(act(fc1(norm(x)))) with dropout after the activation and after fc2.
-
-    Args:
-        x (Tensor): tokens (B, N, C).
-        fc1 (nn.Linear): C -> rC.
-        fc2 (nn.Linear): rC -> C_out.
-        act (nn.Module): the activation.
-        drop (nn.Module): the dropout.
-        norm (nn.Module | None): a pre-norm applied to x first. Default: None.
-
-    Returns:
-        Tensor: (B, N, C_out).
-    """
-    if norm is not None:
-        x = norm(x)
-    return drop(fc2(drop(act(fc1(x)))))
+#: the plain MLP has nothing to stabilise or to export differently: its reference is the naive form
+mlp_reference = mlp_naive
 
 
 def conv_mlp_reference(x, hw_shape, fc1, dwc, fc2, act, drop):
