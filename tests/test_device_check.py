@@ -44,7 +44,7 @@ MODES = {
 
 
 def _no_recompute(label):
-    return {} if label.startswith('rest') else dict(recompute=False)
+    return {} if label.startswith('rest') else dict(fast_train=False)
 
 
 def meta_step(model, train, grad, size=(800, 1344), batch=2):

@@ -106,9 +106,9 @@ def test_ttt_layer_against_explicit_inner_training():
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-10)
 
 
-def _ttt_layer_and_input(recompute, dtype=torch.float64, dim=16, heads=2):
+def _ttt_layer_and_input(fast_train, dtype=torch.float64, dim=16, heads=2):
     torch.manual_seed(3)
-    layer = TTTAttention(dim, heads, recompute=recompute).to(dtype)
+    layer = TTTAttention(dim, heads, fast_train=fast_train).to(dtype)
     with torch.no_grad():
         for p in (layer.w1, layer.w2, layer.w3):
             p.normal_(0, 0.3)
@@ -120,10 +120,10 @@ def test_ttt_recompute_keeps_fewer_tensors_for_backward():
     """What autograd keeps for backward, in bytes: the recomputing layer keeps only x (for qkv), the qkv
     tokens and the proj input, far below the plain graph (which keeps every inner-model temporary)."""
     kept = {}
-    for recompute in (True, False):
-        layer, x = _ttt_layer_and_input(recompute, torch.float32)
+    for fast_train in (True, False):
+        layer, x = _ttt_layer_and_input(fast_train, torch.float32)
         _, saved = saved_for_backward(lambda: layer(x, (5, 6), rope_tables(5, 6, 16)))
-        kept[recompute] = nbytes(saved)
+        kept[fast_train] = nbytes(saved)
     n, c, d = 2 * 30, 16, 8
     assert kept[True] <= 4 * (n * c + n * (3 * c + 3 * d) + n * (c + d)) + 4 * (16 * 54 + 24 * 16) + 8 * 4 * 1024
     assert kept[True] < 0.5 * kept[False]
@@ -161,7 +161,7 @@ def test_rope_matches_complex_rotation():
 def test_rope_heads_and_its_transpose(dim, heads):
     """rope_heads = apply_rope then the head split (exactly); rope_heads_backward is its transpose:
     <rope_heads(x), g> = <x, rope_heads_backward(g)>, also into a strided channel slice."""
-    from mmplugin_l2.models.layers.rope import rope_heads, rope_heads_backward
+    from mmplugin_l2.models.ops.rope import rope_heads, rope_heads_backward
     torch.manual_seed(0)
     rot = rope_tables(3, 4, dim)
     wide = torch.randn(2, 12, 3 * dim + 2, dtype=torch.float64)

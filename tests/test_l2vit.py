@@ -419,10 +419,10 @@ def test_norm_eval_keeps_batchnorm_statistics():
 
 
 def test_recompute_same_outputs_and_gradients_float64():
-    """recompute=True (whole attention / LCM branches recomputed, MLP branches as NormMlpFunction keeping
-    the fc1 output) against plain autograd (recompute=False): same outputs and gradients, with drop path."""
+    """fast_train=True (whole attention / LCM branches recomputed, MLP branches as NormMlpFunction keeping
+    the fc1 output) against plain autograd (fast_train=False): same outputs and gradients, with drop path."""
     torch.manual_seed(0)
-    a = L2ViT(arch=TINY, drop_path_rate=0.2, recompute=False).double().train()
+    a = L2ViT(arch=TINY, drop_path_rate=0.2, fast_train=False).double().train()
     b = L2ViT(arch=TINY, drop_path_rate=0.2).double().train()
     b.load_state_dict(a.state_dict())
     x = torch.randn(2, 3, 64, 72, dtype=torch.float64)

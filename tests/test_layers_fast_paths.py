@@ -16,7 +16,7 @@ from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST
 from mmplugin_l2 import HViT3, L2ViT, ResT, ViT3
 from mmplugin_l2.models.layers import (CPE, LCM, PA, Conv2dCL, ConvDownsample, ConvMlp, ConvStem, ConvStem2L,
                                       L2ViTStem, MemoryPolicy, Mlp, ResTPatchEmbed, ResTStem, set_memory_policy)
-from mmplugin_l2.models.ops import INFERENCE, TRAIN, Path, choose, dispatch
+from mmplugin_l2.models.ops import INFERENCE, INFERENCE_ONLY, TRAIN, Path, choose, dispatch
 from mmplugin_l2.models.ops.conv import batch_norm_updates
 
 
@@ -188,10 +188,10 @@ def test_policy_rule_and_errors():
         assert choose(m, x, 10 ** 12, policy=MemoryPolicy(None)) == Path(INFERENCE)
         assert choose(m.train(), x, 21) == Path.reference()
     assert choose(m.eval(), x, 21) == Path.reference()                          # autograd records
-    m.train().recompute = True
+    m.train().fast_train = True
     assert choose(m, x, 20) == Path(TRAIN) and choose(m, x, 21) == Path(TRAIN, 10)
     assert choose(m, x, 21, policy=MemoryPolicy(10, devices=())) == Path(TRAIN)
-    assert choose(m, x, 21, train=False) == Path.reference()                    # the op has no train path
+    assert choose(m, x, 21, INFERENCE_ONLY) == Path.reference()                  # the op has no train path
     assert MemoryPolicy.build(None).max_elems is None
     with pytest.raises(ValueError, match='max_elems must be a positive int'):
         MemoryPolicy(0)
@@ -357,16 +357,16 @@ def _graph_nodes(outputs):
 
 
 @pytest.mark.parametrize('name', sorted(BACKBONES))
-@pytest.mark.parametrize('recompute', [True, False])
-def test_training_graph_has_no_in_place_writes_into_views(name, recompute):
+@pytest.mark.parametrize('fast_train', [True, False])
+def test_training_graph_has_no_in_place_writes_into_views(name, fast_train):
     """A training step's graph has no CopySlices / AsStrided node: residuals are added out of place while
     autograd records (`tokens.add_residual`). An in-place add on a view (a Linear's 3-D output, a conv output
     seen as tokens) makes backward rebuild the base tensor, a zero-filled map and a copy per add."""
     torch.manual_seed(0)
     m = BACKBONES[name]()
     for mod in m.modules():
-        if hasattr(mod, 'recompute'):
-            mod.recompute = recompute
+        if hasattr(mod, 'fast_train'):
+            mod.fast_train = fast_train
     m.train()
     outs = m(torch.randn(2, 3, 64, 72))
     nodes = _graph_nodes(outs)

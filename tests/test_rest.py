@@ -110,7 +110,7 @@ def slow_emsa(m, x, hw):
 def test_emsa_against_slow_reference(heads, sr, hw, chunk):
     torch.manual_seed(heads)
     c = 12 * heads
-    m = EMSA(c, heads, sr, qkv_bias=True, recompute=chunk is not None).double()
+    m = EMSA(c, heads, sr, qkv_bias=True, fast_train=chunk is not None).double()
     if chunk is not None:
         set_memory_policy(m, dict(max_elems=chunk))
     with torch.no_grad():
@@ -149,7 +149,7 @@ def test_backbone_chunked_equals_dense_values_and_grads(dtype, tol):
     largest output / gradient: some gradients are zero up to rounding (a conv bias before a BatchNorm, the
     head-mixing conv bias under the softmax), so a per-tensor relative check would compare rounding noise."""
     torch.manual_seed(0)
-    dense = tiny(recompute=False).to(dtype).train()
+    dense = tiny(fast_train=False).to(dtype).train()
     chunked = tiny(memory_policy=dict(max_elems=97)).to(dtype)
     chunked.load_state_dict(dense.state_dict())
     chunked.train()
@@ -250,7 +250,7 @@ def test_norm_eval_keeps_batchnorm_statistics():
 
 @pytest.mark.parametrize('chunk', [None, 97])
 def test_with_cp_same_output_and_grads(chunk):
-    kw = dict(recompute=False) if chunk is None else dict(memory_policy=dict(max_elems=chunk))
+    kw = dict(fast_train=False) if chunk is None else dict(memory_policy=dict(max_elems=chunk))
     assert_with_cp_matches(lambda **extra: tiny(**kw, **extra))
 
 

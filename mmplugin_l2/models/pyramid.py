@@ -20,6 +20,7 @@ A `PyramidBackbone` has a stem `patch_embed` and a ModuleList `layers` of stages
 """
 import functools
 import operator
+import warnings
 
 import torch
 import torch.nn as nn
@@ -29,10 +30,10 @@ from mmengine.model import BaseModule
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..checkpoint import load_pretrained
+from .ops.checkpoint import checkpointed
 from .ops.export import exporting
 from .ops.memory import set_memory_policy
-from .layers.recompute import checkpointed
-from .layers.tokens import tokens_to_map
+from .ops.tokens import tokens_to_map
 
 
 def resolve_arch(arch, arch_zoo, required_keys, name):
@@ -50,6 +51,16 @@ def resolve_arch(arch, arch_zoo, required_keys, name):
         raise ValueError(f'{name}: a custom arch dict needs the keys {sorted(required_keys)}; '
                          f'missing {sorted(missing)}')
     return dict(arch)
+
+
+def renamed_argument(owner, old, new, old_value, value):
+    """`value`, or `old_value` with a DeprecationWarning when the caller still passes an argument under its
+    old name `old` (None: not passed). Old names keep working for one release."""
+    if old_value is None:
+        return value
+    warnings.warn(f'{owner}: the argument `{old}` is renamed `{new}`; `{old}` will be removed in the next '
+                  f'release', DeprecationWarning, stacklevel=3)
+    return old_value
 
 
 def normalize_out_indices(out_indices, num_stages, name):

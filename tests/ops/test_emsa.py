@@ -170,24 +170,24 @@ def test_pieces_only_on_the_policys_devices(monkeypatch, devices, pieces):
 
 def test_whole_maps_up_to_twice_the_piece_size(monkeypatch):
     """In training the train function takes pieces above 2 * max_elems map entries, whole maps up to it; never
-    in eval mode with autograd or with recompute=False."""
+    in eval mode with autograd or with fast_train=False."""
     calls = _Calls(monkeypatch)
     m = EMSA(8, 2, 1, qkv_bias=True)
     x = torch.randn(1, 10, 8)            # 1 x 2 heads x 10 queries x 10 keys = 200 entries
 
-    def pieces(max_elems, train=True, recompute=True):
+    def pieces(max_elems, train=True, fast_train=True):
         set_memory_policy(m, dict(max_elems=max_elems))
-        m.recompute = recompute
+        m.fast_train = fast_train
         calls.clear()
         m.train(train)(x, (2, 5))
         return 'train' in calls.names
     assert not pieces(100) and pieces(99)
-    assert not pieces(10, train=False) and not pieces(10, recompute=False)
+    assert not pieces(10, train=False) and not pieces(10, fast_train=False)
 
 
 def test_eval_with_grad_and_train_under_no_grad_take_the_reference(monkeypatch):
     """Grad-CAM (eval mode, autograd recording) and a train-mode model under no_grad (dropout stays on):
-    whole maps through the reference; recompute=False in training too."""
+    whole maps through the reference; fast_train=False in training too."""
     calls = _Calls(monkeypatch)
     m, x = _layer(), torch.randn(2, 9 * 7, 12, dtype=torch.float64, requires_grad=True)
     m.eval()
@@ -196,7 +196,7 @@ def test_eval_with_grad_and_train_under_no_grad_take_the_reference(monkeypatch):
     m.train()
     with torch.no_grad():
         m(x, (9, 7))
-    m.recompute = False
+    m.fast_train = False
     m(x, (9, 7)).sum().backward()
     assert calls.names == []
 

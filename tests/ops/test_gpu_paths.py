@@ -15,7 +15,7 @@ import mmplugin_l2.models.ops.ttt.pieces as ttt_pieces
 import mmplugin_l2.models.ops.window_attention.reference as wa_ref
 from mmplugin_l2.models.backbones import L2ViT
 from mmplugin_l2.models.layers import EMSA, TTTAttention, WindowAttention, rope_tables
-from mmplugin_l2.models.layers.recompute import PRODUCTS
+from mmplugin_l2.models.ops.checkpoint import PRODUCTS
 from mmplugin_l2.models.ops.emsa import naive_emsa_attention
 from mmplugin_l2.models.ops.emsa.reference import apply_map, centred_keys, softmax_map
 from mmplugin_l2.models.ops.window_attention import sdpa_batch_slices, sdpa_in_slices
@@ -99,7 +99,7 @@ def _ttt_case():
 def _run_ttt(layer, x, rot, mode):
     """The layer in `mode`: 'train' (TTTCore), 'reference' (plain autograd) or 'inference' (pieces, no grad)."""
     layer.train(mode != 'inference')
-    layer.recompute = mode == 'train'
+    layer.fast_train = mode == 'train'
     with torch.set_grad_enabled(mode != 'inference'):
         return layer(x, (8, 8), rot)
 

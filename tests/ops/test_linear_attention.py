@@ -81,10 +81,10 @@ def test_fast_paths_under_autocast(dtype, fp32_reduce):
         m.temperature.uniform_(1, 2)
     x = (torch.randn(2, 45, 16) * 3).requires_grad_()
     set_memory_policy(m, MemoryPolicy(max_elems=None))
-    m.recompute = False
+    m.fast_train = False
     ref = m.train()(x)
     dx_ref, = torch.autograd.grad(ref, x, ref.detach())
-    m.recompute = True
+    m.fast_train = True
     tol = 8 * torch.finfo(dtype).eps * ref.abs().max().item()
     set_memory_policy(m, MemoryPolicy(max_elems=7 * 2 * 16))
     with torch.autocast('cpu', dtype=dtype):
@@ -116,7 +116,7 @@ def test_pieces_only_on_the_policys_devices(monkeypatch, devices, pieces):
 
 
 def test_train_eval_with_grad_and_train_under_no_grad(monkeypatch):
-    """Training takes `LinearAttentionCore` (recompute=False: plain autograd); Grad-CAM (eval mode, autograd
+    """Training takes `LinearAttentionCore` (fast_train=False: plain autograd); Grad-CAM (eval mode, autograd
     recording) and a train-mode model under no_grad take the reference, on whole maps."""
     calls = _recording(monkeypatch)
     m = LinearAttention(16, 2).double()
@@ -124,9 +124,9 @@ def test_train_eval_with_grad_and_train_under_no_grad(monkeypatch):
     x = torch.randn(2, 45, 16, dtype=torch.float64, requires_grad=True)
     m.train()(x)
     assert calls.names == ['train']
-    m.recompute = False
+    m.fast_train = False
     m(x)
-    m.recompute = True
+    m.fast_train = True
     m.eval()(x).sum().backward()
     with torch.no_grad():
         m.train()(x)

@@ -124,8 +124,8 @@ def _grad_fn(y):
     return type(y.grad_fn).__name__
 
 
-def _layer(cls, recompute=True, max_elems=2 * 7 * C, devices=('cpu',), **kw):
-    m = _random_(cls(C, R, recompute=recompute, **kw))
+def _layer(cls, fast_train=True, max_elems=2 * 7 * C, devices=('cpu',), **kw):
+    m = _random_(cls(C, R, fast_train=fast_train, **kw))
     set_memory_policy(m, dict(max_elems=max_elems, devices=devices))
     return m
 
@@ -147,12 +147,12 @@ def test_layer_inference_in_pieces_equals_naive(cls):
 
 
 def test_conv_mlp_layer_takes_the_train_functions():
-    """With `recompute` in a training step: pieces of rows on the policy's devices, whole maps elsewhere
-    (devices=('cuda',) on a CPU tensor), plain autograd without `recompute`; same values and gradients."""
+    """With `fast_train` in a training step: pieces of rows on the policy's devices, whole maps elsewhere
+    (devices=('cuda',) on a CPU tensor), plain autograd without `fast_train`; same values and gradients."""
     hw = (7, 9)
     x = _x(hw)
     names = {}
-    for key, kw in {'pieces': {}, 'whole': dict(devices=('cuda',)), 'plain': dict(recompute=False)}.items():
+    for key, kw in {'pieces': {}, 'whole': dict(devices=('cuda',)), 'plain': dict(fast_train=False)}.items():
         m = _layer(ConvMlp, **kw).train()
         y = m(x, hw)
         names[key] = _grad_fn(y)
@@ -178,16 +178,16 @@ def test_recompute_with_dropout_same_gradients_less_saved(cls):
     """Dropout in training: the reference recomputed in backward (RNG replayed: the same masks), not a
     train function; same gradients as plain autograd; only the input kept."""
     grads, saved = {}, {}
-    for recompute in (False, True):
+    for fast_train in (False, True):
         torch.manual_seed(0)
-        m = cls(8, 32, drop=0.1, recompute=recompute).double().train()
+        m = cls(8, 32, drop=0.1, fast_train=fast_train).double().train()
         x = torch.randn(2, 6 * 5, 8, dtype=torch.float64, requires_grad=True)
         torch.manual_seed(1)
-        y, saved[recompute] = saved_for_backward(lambda: m(x, (6, 5)))
-        saved[recompute] = nbytes(saved[recompute])
+        y, saved[fast_train] = saved_for_backward(lambda: m(x, (6, 5)))
+        saved[fast_train] = nbytes(saved[fast_train])
         assert 'Function' not in _grad_fn(y)
         (y * torch.arange(y.numel(), dtype=y.dtype).view_as(y).sin()).sum().backward()
-        grads[recompute] = [x.grad] + [p.grad for p in m.parameters()]
+        grads[fast_train] = [x.grad] + [p.grad for p in m.parameters()]
     for a, b in zip(grads[False], grads[True]):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     assert saved[True] <= 2 * 30 * 8 * 8 + 64
@@ -272,10 +272,10 @@ def test_norm_mlp_branch_other_activation_takes_the_reference():
 @pytest.mark.parametrize('train', [False, True])
 def test_layers_under_autocast(dtype, cls, train):
     """fp32 layers under CPU autocast, pieces forced (tiny max_elems): no dtype error, the dtype autocast
-    gives, the float32 reference's values to half precision; training with `recompute` falls back to the
+    gives, the float32 reference's values to half precision; training with `fast_train` falls back to the
     (recomputed) reference and its gradients are close too."""
     torch.manual_seed(0)
-    m = cls(C, R, recompute=True).float()
+    m = cls(C, R, fast_train=True).float()
     set_memory_policy(m, dict(max_elems=2 * C))
     m.train(train)
     hw = (7, 9)

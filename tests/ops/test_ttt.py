@@ -244,7 +244,7 @@ def test_pieces_only_on_the_policys_devices(monkeypatch, devices, piece):
 
 
 def test_eval_with_grad_train_under_no_grad_and_export_take_the_reference(monkeypatch):
-    """Grad-CAM (eval mode, autograd recording), a train-mode layer under no_grad, recompute=False and export
+    """Grad-CAM (eval mode, autograd recording), a train-mode layer under no_grad, fast_train=False and export
     mode: the reference."""
     calls = _Calls(monkeypatch)
     m = _layer(max_elems=8)
@@ -257,7 +257,7 @@ def test_eval_with_grad_train_under_no_grad_and_export_take_the_reference(monkey
         m(x, HW)
     with export_mode():
         m(x, HW)
-    m.recompute = False
+    m.fast_train = False
     m(x, HW).sum().backward()
     assert calls.names == []
 

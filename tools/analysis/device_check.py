@@ -22,8 +22,8 @@ Parts, in priority order (share of what preflight leaves of --budget; time a par
 * parity (32 %): each of --models with random weights, biases and norm parameters included
   (`authors.randomize_`), batch 2 at --parity-size: the eval outputs on the device in fp32 (TF32 off; on CUDA
   also TF32 on) against float64 on the CPU (rel. max error per stage), and the training gradients of all
-  parameters (loss: sum of the output maps' mean squares) with the fast training path on (recompute=True)
-  and off (recompute=False) against float64 on the CPU without it: rel. max error per parameter, its largest
+  parameters (loss: sum of the output maps' mean squares) with the fast training path on (fast_train=True)
+  and off (fast_train=False) against float64 on the CPU without it: rel. max error per parameter, its largest
   and where, rel. L2 of all gradients.
 * amp (15 %): one training step at --amp-size, batch 2, under bf16 autocast and fp16 autocast with a
   torch.amp.GradScaler: loss and gradients finite, gradient error against the fp32 step (same weights and
@@ -62,7 +62,7 @@ OURS = ['hvit3_t', 'vit3_t', 'l2vit_t', 'rest_s']
 #: the pyramids of the detection speed entries (ViT3-T is the headline's)
 PYRAMIDS = ['hvit3_t', 'l2vit_t', 'rest_s']
 #: the fast training path on and off
-PATHS = {'fast': dict(recompute=True), 'plain': dict(recompute=False)}
+PATHS = {'fast': dict(fast_train=True), 'plain': dict(fast_train=False)}
 #: verdicts, fp32 (TF32 off) against float64: outputs within PARITY_TOL (rel. max over stages); gradients (largest
 #: per-parameter error, `precision.grads_error`) within GRAD_FACTOR times the CPU's own fp32 error (the model's
 #: conditioning at that size: a conv before a train-mode BatchNorm loses digits to cancellation) or GRAD_TOL
@@ -554,7 +554,7 @@ def md_preflight(rows):
 def md_parity(rows):
     lines = [f'| model | eval: rel. max error per stage, fp32 vs fp64 (within {PARITY_TOL:g}) | TF32 on | '
              'grads, CPU fp32 (the model\'s conditioning): max rel. max error (param), rel. L2 | '
-             + ' | '.join(f'grads, {p} path (recompute={c["recompute"]}): max rel. max error (param), '
+             + ' | '.join(f'grads, {p} path (fast_train={c["fast_train"]}): max rel. max error (param), '
                           f'rel. L2, loss (within {GRAD_FACTOR:g}x CPU fp32 or {GRAD_TOL:g})'
                           for p, c in PATHS.items()) + ' |', '|---|---|---|---|---|---|']
     for n, v in rows.items():

@@ -9,7 +9,7 @@ backward pass on random input, and report
 * the bytes autograd keeps for backward, counted through saved-tensor hooks (each storage once,
   parameters excluded);
 * the step time.
-`--max-elems dense` is the dense path (`recompute=False`, the authors' computation); a number N is the
+`--max-elems dense` is the dense path (`fast_train=False`, the authors' computation); a number N is the
 memory policy `dict(max_elems=N)` (maps of more than 2N entries in chunks of N). Numbers are for CPU fp32.
 """
 import argparse
@@ -26,7 +26,7 @@ def child(args):
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    kw = dict(recompute=False) if args.max_elems == 'dense' else dict(memory_policy=dict(max_elems=int(args.max_elems)))
+    kw = dict(fast_train=False) if args.max_elems == 'dense' else dict(memory_policy=dict(max_elems=int(args.max_elems)))
     model = ResT(args.arch, drop_path_rate=0., **kw).train()
     x = torch.randn(args.batch, 3, *args.size)
     saved = {}

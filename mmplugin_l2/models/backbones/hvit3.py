@@ -23,7 +23,7 @@ from mmengine.registry import MODELS
 from ..layers import (CPE, ConvDownsample, ConvMlp, ConvStem, Mlp, TTTAttention, add_residual, map_to_tokens,
                       pad_to_multiple, rope_tables, tokens_to_map)
 from ..ops.export import stage_boundary
-from ..pyramid import PyramidBackbone, resolve_arch
+from ..pyramid import PyramidBackbone, renamed_argument, resolve_arch
 
 
 def _init_linear_and_ln(m):
@@ -42,14 +42,14 @@ class TTTBlock(nn.Module):
     caller passes tables), MLP (ConvMlp in H-ViT3, plain Mlp in ViT3)."""
 
     def __init__(self, dim, num_heads, mlp_ratio=4., qkv_bias=True, drop=0., drop_path=0., norm_eps=1e-5,
-                 conv_mlp=True, recompute=True):
+                 conv_mlp=True, fast_train=True):
         super().__init__()
         self.cpe = CPE(dim)
         self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
-        self.attn = TTTAttention(dim, num_heads, qkv_bias=qkv_bias, recompute=recompute)
+        self.attn = TTTAttention(dim, num_heads, qkv_bias=qkv_bias, fast_train=fast_train)
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
-        self.mlp = (ConvMlp if conv_mlp else Mlp)(dim, int(dim * mlp_ratio), drop=drop, recompute=recompute)
+        self.mlp = (ConvMlp if conv_mlp else Mlp)(dim, int(dim * mlp_ratio), drop=drop, fast_train=fast_train)
 
     def forward(self, x, hw_shape, rope=None):
         # add_residual: into the branch output at inference, out of place in training
@@ -84,9 +84,9 @@ class HViT3(PyramidBackbone):
         frozen_stages (int): -1 none, 0 the stem, i the stem and stages 0..i-1. Default: -1.
         norm_eval (bool): keep BatchNorms (stem, downsamples) in eval mode during training. Default: False.
         with_cp (bool): activation checkpointing per block. Default: False.
-        recompute (bool): in training, keep only the inputs of the TTT inner models (`TTTCore`) and the
+        fast_train (bool): in training, keep only the inputs of the TTT inner models (`TTTCore`) and the
             MLP's input and fc1 output (`ConvMlpFunction`) for backward and recompute the rest there: same
-            gradients, about half the memory of a step, at about the speed of `recompute=False` on CPU.
+            gradients, about half the memory of a step, at about the speed of `fast_train=False` on CPU.
             Default: True.
         out_norm_cfg (dict | None): norm of each returned stage (`norm{i}`); dict(type='LN') is mmdet's
             side-branch convention, dict(type='BN') on stage 3 reproduces the authors' classification
@@ -96,6 +96,8 @@ class HViT3(PyramidBackbone):
             map has twice that; None: whole maps). Default: dict(max_elems=2**20, devices=('cpu',)).
         init_cfg (dict | None): dict(type='Pretrained', checkpoint=PATH) loads the authors'
             classification (or dense-prediction) checkpoints, see `convert_state_dict`.
+        recompute (bool | None): the old name of `fast_train`, deprecated (a DeprecationWarning); removed
+            in the next release. Default: None.
     """
     arch_zoo = {
         **dict.fromkeys(['t', 'tiny'], dict(embed_dims=[64, 128, 320, 512], depths=[1, 3, 9, 4],
@@ -108,9 +110,11 @@ class HViT3(PyramidBackbone):
 
     def __init__(self, arch='tiny', in_channels=3, mlp_ratio=4., qkv_bias=True, drop_rate=0.,
                  drop_path_rate=0.1, out_indices=(0, 1, 2, 3), frozen_stages=-1, norm_eval=False,
-                 with_cp=False, recompute=True, out_norm_cfg=dict(type='LN'),
-                 memory_policy=dict(max_elems=2 ** 20, devices=('cpu',)), init_cfg=None):
+                 with_cp=False, fast_train=True, out_norm_cfg=dict(type='LN'),
+                 memory_policy=dict(max_elems=2 ** 20, devices=('cpu',)), init_cfg=None,
+                 recompute=None):
         super().__init__(init_cfg=init_cfg)
+        fast_train = renamed_argument(type(self).__name__, 'recompute', 'fast_train', recompute, fast_train)
         self.arch_settings = a = resolve_arch(arch, self.arch_zoo, ('embed_dims', 'depths', 'num_heads'),
                                               'HViT3')
         self.arch_desc = arch if isinstance(arch, str) else 'custom'
@@ -128,7 +132,7 @@ class HViT3(PyramidBackbone):
             self.layers.append(HViT3Stage(
                 dim, depth, nh, out_dim=dims[i + 1] if i + 1 < len(dims) else None,
                 drop_paths=dpr[start:start + depth], mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop=drop_rate,
-                recompute=recompute))
+                fast_train=fast_train))
         self.apply(_init_linear_and_ln)
         self._init_pyramid(in_channels, dims, out_indices, frozen_stages, norm_eval, with_cp, out_norm_cfg,
                            memory_policy)
@@ -207,8 +211,10 @@ class ViT3(PyramidBackbone):
 
     def __init__(self, arch='tiny', patch_size=16, in_channels=3, mlp_ratio=4., qkv_bias=True, drop_rate=0.,
                  drop_path_rate=0., out_indices=(-1,), frozen_stages=-1, norm_eval=False, with_cp=False,
-                 recompute=True, memory_policy=dict(max_elems=2 ** 20, devices=('cpu',)), init_cfg=None):
+                 fast_train=True, memory_policy=dict(max_elems=2 ** 20, devices=('cpu',)), init_cfg=None,
+                 recompute=None):
         super().__init__(init_cfg=init_cfg)
+        fast_train = renamed_argument(type(self).__name__, 'recompute', 'fast_train', recompute, fast_train)
         self.arch_settings = a = resolve_arch(arch, self.arch_zoo, ('embed_dims', 'num_layers', 'num_heads'),
                                               'ViT3')
         self.arch_desc = arch if isinstance(arch, str) else 'custom'
@@ -220,7 +226,7 @@ class ViT3(PyramidBackbone):
         dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
         self.blocks = nn.ModuleList([
             TTTBlock(dim, a['num_heads'], mlp_ratio, qkv_bias, drop_rate, dpr[j], norm_eps=1e-6, conv_mlp=False,
-                     recompute=recompute)
+                     fast_train=fast_train)
             for j in range(depth)])
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self.apply(_init_linear_and_ln)

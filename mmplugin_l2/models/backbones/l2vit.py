@@ -42,8 +42,8 @@ from ..layers import (LCM, L2ViTDownsample, L2ViTStem, LinearAttention, Mlp, Res
                       add_residual)
 from ..ops.export import stage_boundary
 from ..layers.mlp import norm_mlp_branch
-from ..layers.recompute import recomputed_branch as _branch
-from ..pyramid import PyramidBackbone, resolve_arch
+from ..ops.checkpoint import recomputed_branch as _branch
+from ..pyramid import PyramidBackbone, renamed_argument, resolve_arch
 
 
 def _init_authors(m):
@@ -58,9 +58,9 @@ class LWABlock(nn.Module):
     """Local Window Attention block: two CPEs (before attention and before the MLP)."""
 
     def __init__(self, dim, num_heads, window_size=7, mlp_ratio=4., qkv_bias=True, drop_path=0.,
-                 mask_window_padding=False, recompute=True):
+                 mask_window_padding=False, fast_train=True):
         super().__init__()
-        self.recompute = recompute
+        self.fast_train = fast_train
         self.cpe = nn.ModuleList([ResidualCPE(dim), ResidualCPE(dim)])
         self.norm1 = nn.LayerNorm(dim)
         self.attn = WindowAttention(dim, num_heads, window_size, qkv_bias=qkv_bias,
@@ -80,9 +80,9 @@ class LWABlock(nn.Module):
 class LGABlock(nn.Module):
     """Linear Global Attention block: CPE, linear attention, LCM (its own residual branch), MLP."""
 
-    def __init__(self, dim, num_heads, mlp_ratio=4., qkv_bias=True, drop_path=0., lcm_kernel=7, recompute=True):
+    def __init__(self, dim, num_heads, mlp_ratio=4., qkv_bias=True, drop_path=0., lcm_kernel=7, fast_train=True):
         super().__init__()
-        self.recompute = recompute
+        self.fast_train = fast_train
         self.cpe = nn.ModuleList([ResidualCPE(dim)])
         self.norm1 = nn.LayerNorm(dim)
         self.attn = LinearAttention(dim, num_heads, qkv_bias=qkv_bias)
@@ -126,9 +126,9 @@ class L2ViT(PyramidBackbone):
         norm_eval (bool): keep the BatchNorms (stem, LCMs) in eval mode while training. Default: False
             (the authors fine-tune them in train mode).
         with_cp (bool): activation checkpointing per block. Default: False.
-        recompute (bool): in training, recompute in backward what is cheap to recompute and keep what is
+        fast_train (bool): in training, recompute in backward what is cheap to recompute and keep what is
             not: the window-attention branches keep their matrix-product and attention-kernel outputs and
-            recompute the LayerNorm and window partitions (`recompute.checkpointed(keep_products=True)`),
+            recompute the LayerNorm and window partitions (`checkpoint.checkpointed(keep_products=True)`),
             the LCM branches are recomputed whole (depth-wise convs, GELU, BatchNorm), the MLP branches
             keep their fc1 output and recompute LayerNorm and GELU (`mlp.NormMlpFunction`); the linear
             attention keeps only q, k, v in any case (`LinearAttentionCore`). Same gradients; about half
@@ -138,6 +138,8 @@ class L2ViT(PyramidBackbone):
             map has twice that; None: whole maps). Default: dict(max_elems=2**20, devices=('cpu',)).
         init_cfg (dict | None): dict(type='Pretrained', checkpoint=PATH) loads the authors' release files
             (`L2ViT-{Tiny,Small,Base}-checkpoint-best-ema.pth`, weights under `model`) or converted ones.
+        recompute (bool | None): the old name of `fast_train`, deprecated (a DeprecationWarning); removed
+            in the next release. Default: None.
     """
     arch_zoo = {
         **dict.fromkeys(['t', 'tiny'], dict(embed_dims=[96, 192, 384, 768], depths=[2, 2, 6, 2],
@@ -152,9 +154,11 @@ class L2ViT(PyramidBackbone):
 
     def __init__(self, arch='tiny', in_channels=3, window_size=None, mask_window_padding=False,
                  mlp_ratio=4., qkv_bias=True, drop_path_rate=0.1, out_indices=(0, 1, 2, 3), final_norm=False,
-                 frozen_stages=-1, norm_eval=False, with_cp=False, recompute=True,
-                 memory_policy=dict(max_elems=2 ** 20, devices=('cpu',)), init_cfg=None):
+                 frozen_stages=-1, norm_eval=False, with_cp=False, fast_train=True,
+                 memory_policy=dict(max_elems=2 ** 20, devices=('cpu',)), init_cfg=None,
+                 recompute=None):
         super().__init__(init_cfg=init_cfg)
+        fast_train = renamed_argument(type(self).__name__, 'recompute', 'fast_train', recompute, fast_train)
         self.arch_settings = a = resolve_arch(arch, self.arch_zoo, ('embed_dims', 'depths', 'num_heads'),
                                               'L2ViT')
         self.arch_desc = arch if isinstance(arch, str) else 'custom'
@@ -173,8 +177,8 @@ class L2ViT(PyramidBackbone):
         for i, (dim, depth, nh) in enumerate(zip(dims, depths, heads)):
             rates = dpr[sum(depths[:i]):sum(depths[:i + 1])]
             self.stages.append(nn.ModuleList([
-                LWABlock(dim, nh, self.window_size, mlp_ratio, qkv_bias, rates[j], mask_window_padding, recompute)
-                if j % 2 == 0 else LGABlock(dim, nh, mlp_ratio, qkv_bias, rates[j], recompute=recompute)
+                LWABlock(dim, nh, self.window_size, mlp_ratio, qkv_bias, rates[j], mask_window_padding, fast_train)
+                if j % 2 == 0 else LGABlock(dim, nh, mlp_ratio, qkv_bias, rates[j], fast_train=fast_train)
                 for j in range(depth)]))
         self.apply(_init_authors)
         self._init_pyramid(in_channels, dims, out_indices, frozen_stages, norm_eval, with_cp,

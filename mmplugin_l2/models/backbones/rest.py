@@ -18,7 +18,7 @@ Differences from the authors' code, each one documented here:
   them in the main path, so the normalised map also feeds the next stage, and a stage's features then depend
   on which earlier stages are returned (Mask R-CNN and RetinaNet differ). `norm_in_path=True` reproduces it.
   Either way the stage-4 norm `norm3` takes the pretrained final `norm`.
-* Training memory (`recompute`). Large attention maps are processed in pieces of queries on the memory
+* Training memory (`fast_train`). Large attention maps are processed in pieces of queries on the memory
   policy's devices, recomputed in backward, with exact full-map instance-norm statistics (`ops/emsa`);
   the MLP branch keeps its input and fc1 output and recomputes LayerNorm and GELU (`mlp.NormMlpFunction`).
 * `frozen_stages`, `norm_eval`, `with_cp` follow OpenMMLab conventions. The authors' FREEZE_AT >= 1 raises.
@@ -33,7 +33,7 @@ from mmengine.registry import MODELS
 from ..layers import EMSA, Mlp, ResTPatchEmbed, ResTStem, add_residual, map_to_tokens, tokens_to_map
 from ..ops.export import stage_boundary
 from ..layers.mlp import norm_mlp_branch
-from ..pyramid import PyramidBackbone, resolve_arch
+from ..pyramid import PyramidBackbone, renamed_argument, resolve_arch
 
 
 def _init_rest_weights(m):
@@ -52,20 +52,20 @@ class ResTBlock(nn.Module):
     """Pre-norm ResT block on tokens (B, N, C) of an (H, W) map: EMSA and MLP (hidden 4C, exact GELU)."""
 
     def __init__(self, dim, num_heads, sr_ratio, mlp_ratio=4., qkv_bias=True, drop=0., attn_drop=0.,
-                 drop_path=0., recompute=True):
+                 drop_path=0., fast_train=True):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
         self.attn = EMSA(dim, num_heads, sr_ratio, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop,
-                         recompute=recompute)
+                         fast_train=fast_train)
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
-        self.recompute = recompute
+        self.fast_train = fast_train
 
     def forward(self, x, hw_shape):
         # add_residual: into the branch output at inference, out of place in training
         x = add_residual(self.drop_path(self.attn(self.norm1(x), hw_shape)), x)
-        # with `recompute`, the MLP branch keeps x and the fc1 output and recomputes LN and GELU in
+        # with `fast_train`, the MLP branch keeps x and the fc1 output and recomputes LN and GELU in
         # backward (`mlp.NormMlpFunction`, in cache-sized pieces on CPU); at inference LN runs in the pieces
         mlp = norm_mlp_branch(self, self.norm2, self.mlp, x, recompute_otherwise=False)
         return add_residual(self.drop_path(mlp), x)
@@ -107,7 +107,7 @@ class ResT(PyramidBackbone):
         norm_in_path (bool): False (default), the output norms form a side branch (mmdet, the paper);
             True, the normalised map of a returned stage also feeds the next stage, as in the authors'
             detectron2 backbone. Use True to reproduce their detectors exactly, e.g. with their d2 weights.
-        recompute (bool): in training, attention maps of more than twice the memory policy's `max_elems`
+        fast_train (bool): in training, attention maps of more than twice the memory policy's `max_elems`
             entries are computed in query chunks of that size, recomputed in backward (same values, far
             less memory), and the MLP branches recompute LayerNorm and GELU in backward. False: dense maps,
             plain autograd. Default: True.
@@ -117,6 +117,8 @@ class ResT(PyramidBackbone):
         init_cfg (dict | None): dict(type='Pretrained', checkpoint=PATH) loads the authors' classification
             checkpoints ({'model': ...}), their detectron2 checkpoints, or files converted by
             tools/convert_checkpoint.py; see `convert_state_dict`.
+        recompute (bool | None): the old name of `fast_train`, deprecated (a DeprecationWarning); removed
+            in the next release. Default: None.
     """
     arch_zoo = {
         'lite': dict(embed_dims=[64, 128, 256, 512], depths=[2, 2, 2, 2], num_heads=[1, 2, 4, 8]),
@@ -134,9 +136,11 @@ class ResT(PyramidBackbone):
 
     def __init__(self, arch='small', in_channels=3, mlp_ratio=4., qkv_bias=True, drop_rate=0., attn_drop_rate=0.,
                  drop_path_rate=0.1, out_indices=(0, 1, 2, 3), frozen_stages=-1, norm_eval=False, with_cp=False,
-                 out_norm_cfg=dict(type='LN'), norm_in_path=False, recompute=True,
-                 memory_policy=dict(max_elems=2 ** 20, devices=('cpu',)), init_cfg=None):
+                 out_norm_cfg=dict(type='LN'), norm_in_path=False, fast_train=True,
+                 memory_policy=dict(max_elems=2 ** 20, devices=('cpu',)), init_cfg=None,
+                 recompute=None):
         super().__init__(init_cfg=init_cfg)
+        fast_train = renamed_argument(type(self).__name__, 'recompute', 'fast_train', recompute, fast_train)
         self.arch_settings = a = resolve_arch(arch, self.arch_zoo, ('embed_dims', 'depths', 'num_heads'), 'ResT')
         self.arch_desc = arch if isinstance(arch, str) else 'custom'
         dims, depths, heads = a['embed_dims'], a['depths'], a['num_heads']
@@ -154,7 +158,7 @@ class ResT(PyramidBackbone):
             self.layers.append(ResTStage(
                 dims[i - 1] if i > 0 else None, dim, depth, nh, sr, drop_paths=dpr[start:start + depth],
                 mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop=drop_rate, attn_drop=attn_drop_rate,
-                recompute=recompute))
+                fast_train=fast_train))
         self.apply(_init_rest_weights)
         self._init_pyramid(in_channels, dims, out_indices, frozen_stages, norm_eval, with_cp, out_norm_cfg,
                            memory_policy)

@@ -2,7 +2,7 @@
 
 Paper concepts: `ttt` (TTT layer and its inner models), `rope`, `cpe`, `lcm`, `linear_attention` (LGA),
 `window_attention` (LWA), `emsa`, `pa`, `stems` (stems and downsamplings of all three families), `mlp`.
-Mechanics: `recompute`, `tokens` (token / map reshapes, padding), `conv`. The ops behind the layers, their
+Mechanics: `fast_train`, `tokens` (token / map reshapes, padding), `conv`. The ops behind the layers, their
 dispatch and the memory policy are under `models/ops/`.
 """
 from .conv import Conv2dCL, ConvLayer
@@ -13,10 +13,10 @@ from .linear_attention import LinearAttention
 from ..ops.memory import MemoryPolicy, set_memory_policy
 from .mlp import ConvMlp, Mlp
 from .pa import PA
-from .rope import apply_rope, rope_tables
+from ..ops.rope import apply_rope, rope_tables
 from .stems import (ConvDownsample, ConvStem, ConvStem2L, L2ViTDownsample, L2ViTStem, ResTPatchEmbed,
                     ResTStem)
-from .tokens import add_residual, map_to_tokens, pad_to_multiple, tokens_conv, tokens_to_map
+from ..ops.tokens import add_residual, map_to_tokens, pad_to_multiple, tokens_conv, tokens_to_map
 from .ttt import TTTAttention, dwconv_inner_grad, normalize_inner_grad, swiglu_inner_grads
 from .window_attention import WindowAttention, window_partition, window_reverse
 

@@ -20,6 +20,9 @@ class Conv2dCL(nn.Conv2d):
     and keys as nn.Conv2d; results equal to float rounding (the summation order of the kernel differs).
     """
 
+    #: read by the ops that run this conv's kernel themselves (`ops.conv.pieces`)
+    kernel_channels_last = True
+
     def forward(self, x):
         return self._conv_forward(x, self.weight.to(memory_format=torch.channels_last), self.bias)
 

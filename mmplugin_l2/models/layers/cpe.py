@@ -8,7 +8,7 @@ x + CPE(x), with the conv under the key `proj`.
 import torch.nn as nn
 
 from .conv import Conv2dCL
-from .tokens import add_residual, tokens_conv
+from ..ops.tokens import add_residual, tokens_conv
 
 
 class CPE(Conv2dCL):

@@ -25,7 +25,7 @@ import torch.nn as nn
 from ..ops import choose
 from ..ops.emsa import ChunkedEMSAAttention, emsa_attention, naive_emsa_attention
 from ..ops.memory import DEFAULT_POLICY
-from .tokens import map_to_tokens, tokens_to_map
+from ..ops.tokens import map_to_tokens, tokens_to_map
 
 __all__ = ['EMSA', 'ChunkedEMSAAttention', 'emsa_attention', 'naive_emsa_attention']
 
@@ -43,7 +43,7 @@ class EMSA(nn.Module):
             Default: 0.
         proj_drop (float): dropout after `proj`. Default: 0.
         apply_transform (bool): the head-mixing conv + IN when num_heads > 1. Default: True.
-        recompute (bool): in training, large maps take the train path (pieces of queries recomputed in
+        fast_train (bool): in training, large maps take the train path (pieces of queries recomputed in
             backward) on the memory policy's devices. Default: True.
 
     forward(x, hw_shape): x (B, N, C) tokens of an (H, W) map -> (B, N, C).
@@ -53,14 +53,14 @@ class EMSA(nn.Module):
     memory_policy = DEFAULT_POLICY
 
     def __init__(self, dim, num_heads, sr_ratio=1, qkv_bias=False, qk_scale=None, attn_drop=0., proj_drop=0.,
-                 apply_transform=True, recompute=True):
+                 apply_transform=True, fast_train=True):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f'EMSA: dim {dim} is not divisible by num_heads {num_heads}')
         self.num_heads = num_heads
         self.scale = qk_scale or (dim // num_heads) ** -0.5
         self.sr_ratio = sr_ratio
-        self.recompute = recompute
+        self.fast_train = fast_train
         self.q = nn.Linear(dim, dim, bias=qkv_bias)
         self.kv = nn.Linear(dim, dim * 2, bias=qkv_bias)
         self.attn_drop = nn.Dropout(attn_drop)

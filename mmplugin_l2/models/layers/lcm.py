@@ -14,11 +14,11 @@ import torch.nn as nn
 from functools import partial
 
 from .conv import BatchNorm2d, Conv2dCL
-from ..ops import INFERENCE, choose
+from ..ops import INFERENCE, INFERENCE_ONLY, choose
 from ..ops.conv import ConvBNAct, conv_chain
 from ..ops.memory import DEFAULT_POLICY
 from .mlp import gelu
-from .tokens import map_to_tokens, tokens_to_map
+from ..ops.tokens import map_to_tokens, tokens_to_map
 
 
 class LCM(nn.Module):
@@ -40,7 +40,7 @@ class LCM(nn.Module):
 
     def forward(self, x, hw_shape, norm=None):
         """x (B, N, C) tokens of an (H, W) map -> (B, N, C); with `norm`, LCM(norm(x))."""
-        path = choose(self, x, x.numel(), train=False)
+        path = choose(self, x, x.numel(), INFERENCE_ONLY)
         # channels-last on the token map throughout (Conv2dCL kernels, no NCHW copies)
         act = partial(gelu, inplace=path.impl == INFERENCE)
         layers = (ConvBNAct(self.conv1, self.bn, act, act_first=True), ConvBNAct(self.conv2))

@@ -44,7 +44,7 @@ class LinearAttention(nn.Module):
     #: pieces of tokens x channels (the batch included) at inference
     memory_policy = DEFAULT_POLICY
     #: training takes the closed-form backward (`LinearAttentionCore`: keeps only Q, K, v); False: autograd
-    recompute = True
+    fast_train = True
 
     def __init__(self, dim, num_heads, qkv_bias=True, clamp_min=100., fp32_reduce=True):
         super().__init__()

@@ -6,7 +6,7 @@
 with act the exact GELU by default (`act_cfg`). Tokens (B, N, C) in and out. The maths: `ops/mlp/naive.py`
 (`mlp_naive`, `conv_mlp_naive`). The op is `ops.mlp`
 (reference, inference in pieces, closed-form training functions), chosen once per forward by
-`ops.dispatch.choose`; `recompute=True` takes the training functions (or the reference recomputed in
+`ops.dispatch.choose`; `fast_train=True` takes the training functions (or the reference recomputed in
 backward where they do not apply).
 
 `norm_mlp_branch` is the pre-norm MLP branch mlp(norm(x)) of L2ViT's and ResT's blocks; when the block
@@ -17,13 +17,13 @@ import torch.nn as nn
 from mmcv.cnn import build_activation_layer
 
 from ..ops import choose
-from ..ops.dispatch import recomputes
+from ..ops.dispatch import trains_fast
 from ..ops.memory import DEFAULT_POLICY
 from ..ops.mlp import (ConvMlpPiecesFunction, ConvMlpFunction, NormMlpFunction, conv_mlp,  # noqa: F401
                        linear_into as _linear_into, mlp, norm_mlp_train, train_applies)
 from ..ops.mlp.pieces import gelu_
 from .conv import Conv2dCL
-from .recompute import recomputed_branch
+from ..ops.checkpoint import recomputed_branch
 
 
 def gelu(x, inplace=False):
@@ -38,7 +38,7 @@ class Mlp(nn.Module):
         dim (int): channels C.
         hidden_dim (int): hidden channels rC.
         drop (float): dropout. Default: 0.
-        recompute (bool): in training, recompute the hidden activations in backward. Default: False.
+        fast_train (bool): in training, recompute the hidden activations in backward. Default: False.
         act_cfg (dict): the activation (OpenMMLab config). Default: dict(type='GELU').
 
     forward(x, hw_shape=None, norm=None): x (B, N, C) -> (B, N, C); `hw_shape` is unused (a common
@@ -48,9 +48,9 @@ class Mlp(nn.Module):
     #: pieces of tokens x channels (the batch included) at inference
     memory_policy = DEFAULT_POLICY
 
-    def __init__(self, dim, hidden_dim, drop=0., recompute=False, act_cfg=dict(type='GELU')):
+    def __init__(self, dim, hidden_dim, drop=0., fast_train=False, act_cfg=dict(type='GELU')):
         super().__init__()
-        self.recompute = recompute
+        self.fast_train = fast_train
         self.fc1 = nn.Linear(dim, hidden_dim)
         self.act = build_activation_layer(act_cfg)
         self.fc2 = nn.Linear(hidden_dim, dim)
@@ -67,7 +67,7 @@ class ConvMlp(nn.Module):
         dim (int): channels C.
         hidden_dim (int): hidden channels rC.
         drop (float): dropout. Default: 0.
-        recompute (bool): in training, keep the input and the fc1 output and recompute the rest in
+        fast_train (bool): in training, keep the input and the fc1 output and recompute the rest in
             backward (`ConvMlpFunction`, in pieces of rows on the policy's devices). Default: False.
         act_cfg (dict): the activation (OpenMMLab config). Default: dict(type='GELU').
 
@@ -77,9 +77,9 @@ class ConvMlp(nn.Module):
     #: pieces of rows x width x channels (the batch included) at inference and in training
     memory_policy = DEFAULT_POLICY
 
-    def __init__(self, dim, hidden_dim, drop=0., recompute=False, act_cfg=dict(type='GELU')):
+    def __init__(self, dim, hidden_dim, drop=0., fast_train=False, act_cfg=dict(type='GELU')):
         super().__init__()
-        self.recompute = recompute
+        self.fast_train = fast_train
         self.fc1 = nn.Linear(dim, hidden_dim)
         self.act = build_activation_layer(act_cfg)
         self.dwc = Conv2dCL(hidden_dim, hidden_dim, 3, padding=1, groups=hidden_dim)
@@ -93,11 +93,11 @@ class ConvMlp(nn.Module):
 
 def norm_mlp_branch(block, norm, mlp, x, recompute_otherwise=True):
     """The pre-norm MLP branch mlp(norm(x)) of `block` (an `Mlp`, which takes `norm=`). When the block
-    recomputes (`ops.dispatch.recomputes`), an affine LayerNorm and an `Mlp` where `ops.mlp.train_applies`
+    recomputes (`ops.dispatch.trains_fast`), an affine LayerNorm and an `Mlp` where `ops.mlp.train_applies`
     run `NormMlpFunction` (the piece from `ops.dispatch.choose` with the MLP's policy); otherwise the whole
-    branch is recomputed in backward (`recompute.recomputed_branch`; with `recompute_otherwise=False` plain
+    branch is recomputed in backward (`checkpoint.recomputed_branch`; with `recompute_otherwise=False` plain
     autograd instead)."""
-    if not recomputes(block):
+    if not trains_fast(block):
         return mlp(x, norm=norm)
     if (isinstance(norm, nn.LayerNorm) and norm.elementwise_affine and isinstance(mlp, Mlp)
             and train_applies(x, mlp.act, mlp.drop)):

@@ -8,7 +8,7 @@ any size; the parameters are `pa_conv.{weight,bias}`, the authors' key names.
 import torch
 import torch.nn as nn
 
-from ..ops import INFERENCE, choose
+from ..ops import INFERENCE, INFERENCE_ONLY, choose
 
 
 class PA(nn.Module):
@@ -27,6 +27,6 @@ class PA(nn.Module):
 
     def forward(self, x):
         gate = self.pa_conv(x)
-        if choose(self, x, x.numel(), train=False).impl == INFERENCE:
+        if choose(self, x, x.numel(), INFERENCE_ONLY).impl == INFERENCE:
             return gate.sigmoid_().mul_(x)
         return x * torch.sigmoid(gate)

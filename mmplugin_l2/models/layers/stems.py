@@ -17,18 +17,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .conv import BatchNorm2d, ConvLayer
-from ..ops import choose
+from ..ops import INFERENCE_ONLY, choose
 from ..ops.conv import ConvBNAct, conv_chain
 from ..ops.export import exporting
 from ..ops.memory import DEFAULT_POLICY
 from .pa import PA
-from .tokens import compiled_map, map_to_tokens, pad_to_multiple, padding_to_multiple, tokens_to_map
+from ..ops.tokens import compiled_map, map_to_tokens, pad_to_multiple, padding_to_multiple, tokens_to_map
 
 
 def _conv_chain(module, layers, x):
     """The conv layers `layers` (ConvLayer / ConvBNAct) of `module` on the map x (B, C, H, W), the path
     chosen for (input pixels x the last layer's channels) elements."""
-    path = choose(module, x, x[:, :1].numel() * layers[-1].conv.out_channels, train=False)
+    path = choose(module, x, x[:, :1].numel() * layers[-1].conv.out_channels, INFERENCE_ONLY)
     return conv_chain(path, layers, x)
 
 

@@ -20,7 +20,7 @@ from ..ops.dispatch import choose
 from ..ops.memory import DEFAULT_POLICY
 from ..ops.ttt import (TTTCore, dwconv_inner_grad, dwconv_per_sample, normalize_inner_grad, swiglu_inner_grads,
                        tap_sums, ttt_attention, ttt_core)
-from .tokens import check_token_count
+from ..ops.tokens import check_token_count
 
 __all__ = ['TTTAttention', 'TTTCore', 'dwconv_inner_grad', 'dwconv_per_sample', 'normalize_inner_grad',
            'swiglu_inner_grads', 'tap_sums', 'ttt_core']
@@ -42,14 +42,14 @@ class TTTAttention(nn.Module):
             code uses 1/sqrt(32) for the SwiGLU model on the first call of each module only; that
             defect is not reproduced.) Default: 1/3.
         lr (float): inner learning rate. Default: 1.0.
-        recompute (bool): in training, keep only the qkv tokens for backward and recompute the inner
+        fast_train (bool): in training, keep only the qkv tokens for backward and recompute the inner
             models there (`TTTCore`); same gradients, far less memory. Default: True.
     """
 
     #: pieces of tokens; the unit is elements of the (B, tokens, C) input
     memory_policy = DEFAULT_POLICY
 
-    def __init__(self, dim, num_heads, qkv_bias=True, scale=1 / 3, lr=1.0, recompute=True):
+    def __init__(self, dim, num_heads, qkv_bias=True, scale=1 / 3, lr=1.0, fast_train=True):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f'dim {dim} is not divisible by num_heads {num_heads}')
@@ -58,7 +58,7 @@ class TTTAttention(nn.Module):
         self.head_dim = d = dim // num_heads
         self.scale = scale
         self.lr = lr
-        self.recompute = recompute
+        self.fast_train = fast_train
         self.qkv = nn.Linear(dim, dim * 3 + d * 3, bias=qkv_bias)
         self.w1 = nn.Parameter(torch.zeros(1, num_heads, d, d))
         self.w2 = nn.Parameter(torch.zeros(1, num_heads, d, d))

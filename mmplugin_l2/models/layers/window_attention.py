@@ -27,12 +27,12 @@ chosen once per forward by `ops.dispatch.choose`.
 """
 import torch.nn as nn
 
-from ..ops import choose
+from ..ops import INFERENCE_ONLY, choose
 from ..ops.export import exporting
 from ..ops.memory import DEFAULT_POLICY
 from ..ops.window_attention import (padding_key_mask, sdpa_in_slices, window_attention, window_partition,
                                     window_reverse)
-from .tokens import padding_to_multiple
+from ..ops.tokens import padding_to_multiple
 
 __all__ = ['WindowAttention', 'padding_key_mask', 'window_partition', 'window_reverse']
 
@@ -85,5 +85,5 @@ class WindowAttention(nn.Module):
         key_mask = None
         if self.mask_padding and (exporting() or (hp, wp) != (h, w)):
             key_mask = padding_key_mask((h, w), (hp, wp), ws, x.device).repeat(b, 1)
-        path = choose(self, x, b * hp * wp * c, train=False)
+        path = choose(self, x, b * hp * wp * c, INFERENCE_ONLY)
         return window_attention(path, x, hw_shape, ws, self.attention, key_mask, norm)

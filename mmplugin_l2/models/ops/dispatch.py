@@ -1,35 +1,39 @@
-"""One dispatch for every op: which implementation runs, decided once per forward.
+"""One dispatch for every op: which implementation runs, decided once per forward, here only.
 
-Each op under `ops/` has a **reference** implementation (plain PyTorch autograd, the paper's formula, whole
-maps, export-friendly) and fast implementations: **inference** (no autograd: in-place / `out=` kernels, and
-pieces of the memory policy on its devices) and **train** (a closed-form or recomputing autograd function,
-pieces of the memory policy on its devices). `choose` picks one of the three from
+Each op under `ops/` has a **naive** form (`naive.py`, the paper's formula, the tests' oracle), a
+**reference** (plain PyTorch autograd on whole maps, export-friendly) and fast paths: **inference** (no
+autograd: in-place / `out=` kernels, and pieces of the memory policy on its devices) and **train** (the fast
+training path: a closed-form or recomputing autograd function, pieces of the memory policy on its devices).
+Where its train path does not apply, an op may instead **checkpoint** its reference (recompute it in
+backward, RNG state preserved). `choose` returns the final `Path`; an op runs what it is given and no op or
+layer re-decides. Its inputs:
 
 * export / compile tracing (`export.exporting`): always the reference;
-* the module's mode and autograd (`inference`, `recomputes`, the only definitions of these conditions):
-  inference needs eval mode and no autograd recording; train needs train mode, autograd recording and the
-  module's `recompute` switch;
-* dtype / autocast: an op whose fast path does not support half precision or autocast says so
-  (`half=False`), and then gets the reference there;
+* the module's mode and autograd (`inference`, `trains_fast`, the only definitions of these conditions):
+  inference needs eval mode and no autograd recording; the train path needs train mode, autograd recording
+  and the module's `fast_train` switch;
+* what the op's fast paths support (`Supports`, declared once by each op next to its implementations and
+  passed here): half precision and autocast, active dropout, train-mode BatchNorms, the activation, whether
+  a path exists on whole maps or only in pieces;
 * the memory policy (`MemoryPolicy`): the piece size, only on the policy's devices (CPU by default; CUDA
   runs whole maps unless a user adds it to `devices`).
 
-Anything else falls back to the reference, which is always correct. Ops may refuse a fast path for reasons
-of their own (e.g. a train-mode BatchNorm inside an eval-mode module) by calling `Path.reference()`.
+Anything else is the reference, which is always correct.
 """
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
+import torch.nn as nn
 
 from .dtypes import HALF_DTYPES, autocast_on
 from .export import exporting
 
-REFERENCE, INFERENCE, TRAIN = 'reference', 'inference', 'train'
+REFERENCE, INFERENCE, TRAIN, CHECKPOINT = 'reference', 'inference', 'train', 'checkpoint'
 
 
 class Path(NamedTuple):
-    """The implementation an op runs: `impl` one of 'reference', 'inference', 'train'; `piece` the
-    elements per piece (the op's own unit, see `MemoryPolicy`) or None for whole maps."""
+    """The implementation an op runs: `impl` one of 'reference', 'inference', 'train', 'checkpoint'; `piece`
+    the elements per piece (the op's own unit, see `MemoryPolicy`) or None for whole maps."""
     impl: str
     piece: Optional[int] = None
 
@@ -38,16 +42,45 @@ class Path(NamedTuple):
         return cls(REFERENCE, None)
 
 
+class Fast(NamedTuple):
+    """What one fast path (inference or train) of an op runs on; outside it `choose` does not take it.
+
+    half: fp16 / bf16 inputs and autocast. dropout: an active dropout (p > 0, train mode) among the op's
+    modules. train_norm: a BatchNorm in train mode among them. act: a predicate every activation of the op
+    must satisfy (None: any). pieces_only: the path exists only in pieces (whole maps take the reference).
+    input_grad: the path needs the input to require a gradient (train paths whose backward is written for it).
+    """
+    half: bool = True
+    dropout: bool = True
+    train_norm: bool = True
+    act: Optional[Callable] = None
+    pieces_only: bool = False
+    input_grad: bool = False
+
+
+class Supports(NamedTuple):
+    """An op's fast paths, declared by the op (e.g. `ops.mlp.CONV_MLP`): `inference` and `train` are a
+    `Fast` or None (no such path); `checkpoint`: where the train path does not apply in training, the
+    reference is recomputed in backward instead of kept."""
+    inference: Optional[Fast] = Fast()
+    train: Optional[Fast] = Fast()
+    checkpoint: bool = False
+
+
+#: an op with an inference fast path and no train path
+INFERENCE_ONLY = Supports(train=None)
+
+
 def inference(module):
     """The condition of every inference fast path (pieces, in-place and `out=` kernels): `module` in eval
     mode, no autograd recording, not being exported."""
     return not module.training and not torch.is_grad_enabled() and not exporting()
 
 
-def recomputes(module):
-    """The condition of every train fast path and of recomputation in backward: `module`'s `recompute`
-    switch on, train mode, autograd recording, not being exported."""
-    return (bool(getattr(module, 'recompute', False)) and module.training and torch.is_grad_enabled()
+def trains_fast(module):
+    """The condition of every fast training path (closed-form backwards, recomputation in backward):
+    `module`'s `fast_train` switch on, train mode, autograd recording, not being exported."""
+    return (bool(getattr(module, 'fast_train', False)) and module.training and torch.is_grad_enabled()
             and not exporting())
 
 
@@ -57,16 +90,41 @@ def _policy_piece(policy, x, whole_elems):
     return policy.max_elems if whole_elems > 2 * policy.max_elems else None
 
 
-def choose(module, x, whole_elems, *, train=True, half=True, policy=None):
+def _dropout_active(modules):
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and m.training for m in modules)
+
+
+def _norm_updates(modules):
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in modules)
+
+
+def _takes(fast, x, piece, modules, acts):
+    """Whether the fast path `fast` runs on input `x` with `piece`, the op's `modules` and `acts`."""
+    if fast is None or (fast.pieces_only and piece is None):
+        return False
+    if not fast.half and (x.dtype in HALF_DTYPES or autocast_on(x.device.type)):
+        return False
+    if not fast.dropout and _dropout_active(modules):
+        return False
+    if not fast.train_norm and _norm_updates(modules):
+        return False
+    if fast.input_grad and not x.requires_grad:
+        return False
+    return fast.act is None or all(fast.act(a) for a in acts)
+
+
+def choose(module, x, whole_elems, supports=Supports(), *, modules=(), acts=(), policy=None):
     """The `Path` of `module`'s op on input `x`, whose whole map holds `whole_elems` elements in the op's
     unit of pieces.
 
     Args:
-        module (nn.Module): the layer (its `training`, `recompute` and `memory_policy` are read).
-        x (Tensor): the op's input (device, dtype).
+        module (nn.Module): the layer (its `training`, `fast_train` and `memory_policy` are read).
+        x (Tensor): the op's input (device, dtype, requires_grad).
         whole_elems (int): size of the whole map in the op's piece unit.
-        train (bool): the op has a train implementation. Default: True.
-        half (bool): the op's fast paths support fp16 / bf16 inputs and autocast. Default: True.
+        supports (Supports): what the op's fast paths support, as the op declares it. Default: both paths,
+            every setting.
+        modules (Sequence[nn.Module]): the op's dropouts and norms (their state is read). Default: ().
+        acts (Sequence[nn.Module]): the op's activations. Default: ().
         policy (MemoryPolicy | None): the memory policy, when it belongs to another module than the one
             whose mode is read (e.g. a block's MLP). Default: None (`module.memory_policy`).
 
@@ -75,12 +133,15 @@ def choose(module, x, whole_elems, *, train=True, half=True, policy=None):
     """
     if exporting():
         return Path.reference()
-    if not half and (x.dtype in HALF_DTYPES or autocast_on(x.device.type)):
-        return Path.reference()
     if policy is None:
         policy = getattr(module, 'memory_policy', None)
     if inference(module):
-        return Path(INFERENCE, _policy_piece(policy, x, whole_elems))
-    if train and recomputes(module):
-        return Path(TRAIN, _policy_piece(policy, x, whole_elems))
+        piece = _policy_piece(policy, x, whole_elems)
+        return Path(INFERENCE, piece) if _takes(supports.inference, x, piece, modules, acts) else Path.reference()
+    if trains_fast(module):
+        piece = _policy_piece(policy, x, whole_elems)
+        if _takes(supports.train, x, piece, modules, acts):
+            return Path(TRAIN, piece)
+        if supports.checkpoint and x.requires_grad:
+            return Path(CHECKPOINT, None)
     return Path.reference()

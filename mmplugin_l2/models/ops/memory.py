@@ -10,13 +10,13 @@ EMSA) follows one `MemoryPolicy`, set for a whole backbone by its `memory_policy
   attention map.
 * **Which implementation runs** is `ops.dispatch.choose`, once per forward: inference pieces for a module in
   eval mode, with no autograd recording and not being exported; train pieces (a closed-form or recomputing
-  training function, `ops/*/train.py`) in train mode with autograd recording and the layer's `recompute` on;
+  training function, `ops/*/train.py`) in train mode with autograd recording and the layer's `fast_train` on;
   the plain-autograd reference otherwise. Either kind of piece only on a device type in `devices`, and only
   once the whole map exceeds `2 * max_elems`; then pieces of about `max_elems`. Inference pieces keep the
   intermediates in cache and out of the peak memory; train pieces keep a training function's temporaries in
   cache instead of fresh map-sized tensors (on CPU each page of a fresh large tensor is zeroed by the kernel on
   first touch). Values are those of the whole map up to the summation order of sums over pieces.
-* The mode conditions (`dispatch.inference`, `dispatch.recomputes`) and the piece rule (`dispatch.choose`)
+* The mode conditions (`dispatch.inference`, `dispatch.trains_fast`) and the piece rule (`dispatch.choose`)
   are written once, in `ops/dispatch.py`; this module holds the policy's settings only.
 * On devices not in `devices` (CUDA by default) every layer works on whole maps, in training too: a GPU has no
   cache to keep pieces in and pays a kernel launch per piece. docs/memory_policy.md has the whole rule.

@@ -24,15 +24,15 @@ def _geometry(conv):
     return conv.kernel_size[0], conv.stride[0], conv.padding[0]
 
 
-def _layer_rows(layer, x, top, bottom, kernel_cl):
-    """One layer on a band of input rows, `top` / `bottom` zero rows added first (channels-last pad);
-    `kernel_cl`: the conv type whose kernel is passed channels-last."""
+def _layer_rows(layer, x, top, bottom):
+    """One layer on a band of input rows, `top` / `bottom` zero rows added first (channels-last pad); a conv
+    with `kernel_channels_last` (`layers.conv.Conv2dCL`) gets its kernel channels-last."""
     conv = layer.conv
     if (top or bottom) and _channels_last(x):
         x = F.pad(x.permute(0, 2, 3, 1), (0, 0, 0, 0, top, bottom)).permute(0, 3, 1, 2)
     elif top or bottom:
         x = F.pad(x, (0, 0, top, bottom))
-    weight = conv.weight.to(memory_format=torch.channels_last) if isinstance(conv, kernel_cl) else conv.weight
+    weight = conv.weight.to(memory_format=torch.channels_last) if getattr(conv, 'kernel_channels_last', False) else conv.weight
     x = F.conv2d(x, weight, conv.bias, conv.stride, (0, conv.padding[1]), conv.dilation, conv.groups)
     return norm_act(layer, x)
 
@@ -50,7 +50,6 @@ def conv_chain_in_pieces(layers, x, piece, pre=None):
     Returns:
         Tensor: (B, C_out, H_out, W_out), in x's memory format.
     """
-    from ...layers.conv import Conv2dCL      # layers import the ops: imported here, not at module import
     layers = list(layers)
     heights, widths = [x.shape[-2]], [x.shape[-1]]
     for layer in layers:
@@ -79,7 +78,7 @@ def conv_chain_in_pieces(layers, x, piece, pre=None):
         if pre is not None:
             t = pre(t)
         for layer, (_, _, top, bottom) in zip(layers, plan):
-            t = _layer_rows(layer, t, top, bottom, Conv2dCL)
+            t = _layer_rows(layer, t, top, bottom)
         if out is None:
             out = torch.empty(t.shape[:2] + (heights[-1], widths[-1]), dtype=t.dtype, device=t.device,
                               memory_format=torch.channels_last if _channels_last(t) else torch.contiguous_format)

@@ -34,7 +34,7 @@ def train_applies(x, act, drop):
 
 
 def _checkpointed(fn, *args):
-    from ...layers.recompute import checkpointed
+    from ..checkpoint import checkpointed
     return checkpointed(fn, *args)
 
 

@@ -8,7 +8,7 @@ output has the dtype the whole-map reference gives.
 """
 import torch
 
-from ...layers.tokens import add_residual, tokens_conv
+from ..tokens import add_residual, tokens_conv
 
 
 def gelu_(x):

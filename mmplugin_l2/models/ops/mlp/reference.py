@@ -5,7 +5,7 @@
 
 Tokens (B, N, C) in, (B, N, C_out) out; ConvMlp's tokens form an (H, W) map.
 """
-from ...layers.tokens import tokens_conv
+from ..tokens import tokens_conv
 from .naive import mlp_naive
 
 

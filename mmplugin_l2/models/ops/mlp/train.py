@@ -9,7 +9,7 @@
 import torch
 import torch.nn.functional as F
 
-from ...layers.tokens import map_to_tokens, tokens_to_map
+from ..tokens import map_to_tokens, tokens_to_map
 from .pieces import linear_into as _linear_into
 
 

@@ -18,7 +18,7 @@ outer gradient flows through the inner step. Output [O1 (C) | O2 (d)], (B, N, C 
 import torch
 import torch.nn.functional as F
 
-from ...layers.rope import apply_rope
+from ..rope import apply_rope
 
 
 def swiglu(x, w1, w2):

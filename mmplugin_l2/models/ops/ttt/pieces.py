@@ -10,7 +10,7 @@ fp32), then the updated model is applied piece by piece; the conv head runs on t
 import torch
 import torch.nn.functional as F
 
-from ...layers.rope import apply_rope, rope_heads
+from ..rope import apply_rope, rope_heads
 from ..dtypes import autocast_on
 from .reference import (conv_head, fast_weights, heads, normalized_swiglu_grad, split_qkv, swiglu_dz,
                         swiglu_grad_pair, swiglu_readout, token_sum_matmul)

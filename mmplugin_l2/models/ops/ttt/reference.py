@@ -24,7 +24,7 @@ depth-wise conv and its kernel gradient are then nine shifted multiply-adds inst
 import torch
 import torch.nn.functional as F
 
-from ...layers.rope import apply_rope
+from ..rope import apply_rope
 from ..dtypes import HALF_DTYPES, autocast_off, autocasts_to
 from ..export import eager_inference, exporting
 

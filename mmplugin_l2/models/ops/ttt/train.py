@@ -10,7 +10,7 @@ SwiGLU part of the backward run in pieces of tokens; parameter gradients are the
 import torch
 import torch.nn.functional as F
 
-from ...layers.rope import rope_heads, rope_heads_backward
+from ..rope import rope_heads, rope_heads_backward
 from ..dtypes import autocast_off, autocast_on
 from .pieces import ttt_core_fused, ttt_core_pieces
 from .reference import heads, normalize_inner_grad, split_qkv, tap_sums, dwconv_per_sample, ttt_core

@@ -7,7 +7,7 @@ padded map is built whole.
 import torch
 import torch.nn.functional as F
 
-from ...layers.tokens import padding_to_multiple
+from ..tokens import padding_to_multiple
 from .reference import window_partition, window_reverse
 
 

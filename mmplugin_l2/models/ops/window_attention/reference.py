@@ -7,7 +7,7 @@ attention (every window holds at least one real token: the padding is less than 
 import torch
 import torch.nn.functional as F
 
-from ...layers.tokens import padding_to_multiple
+from ..tokens import padding_to_multiple
 from ..export import exporting
 
 #: most (window, head) pairs one `F.scaled_dot_product_attention` call takes: CUDA's limit on gridDim.y and

@@ -1,5 +1,5 @@
 """Recomputation (activation checkpointing), shared by the backbones' `with_cp` (whole blocks) and the
-layers' / blocks' `recompute` (one branch or one layer): in a training step only the inputs are kept for
+layers' / blocks' `fast_train` (one branch or one layer): in a training step only the inputs are kept for
 backward and the function runs again there (non-reentrant torch.utils.checkpoint, RNG state preserved,
 so dropout draws the same masks). BatchNorm running statistics are updated once, not again in the
 recomputation. Same values and gradients; less memory for more backward time.
@@ -23,7 +23,7 @@ import torch
 import torch.utils.checkpoint as cp
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..ops.dispatch import recomputes
+from .dispatch import trains_fast
 
 
 @contextlib.contextmanager
@@ -104,9 +104,9 @@ def checkpointed(fn, *args, enabled=True, module=None, keep_products=False):
 
 
 def recomputed(module, fn, x, *args):
-    """fn(x, *args), recomputed in backward when `module` recomputes (`ops.dispatch.recomputes`: its `recompute`
+    """fn(x, *args), recomputed in backward when `module` recomputes (`ops.dispatch.trains_fast`: its `fast_train`
     switch, train mode, autograd recording) and x needs a gradient."""
-    return checkpointed(fn, x, *args, enabled=recomputes(module) and x.requires_grad, module=module)
+    return checkpointed(fn, x, *args, enabled=trains_fast(module) and x.requires_grad, module=module)
 
 
 def recomputed_branch(block, norm, module, x, *args, keep_products=False):
@@ -116,4 +116,4 @@ def recomputed_branch(block, norm, module, x, *args, keep_products=False):
     recomputation; with `keep_products` also the outputs of its matrix products (see the module docstring)."""
     def branch(t, *a):
         return module(t, *a, norm=norm)
-    return checkpointed(branch, x, *args, enabled=recomputes(block), module=module, keep_products=keep_products)
+    return checkpointed(branch, x, *args, enabled=trains_fast(block), module=module, keep_products=keep_products)

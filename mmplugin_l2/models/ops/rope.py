@@ -14,7 +14,7 @@ applies the transpose (rotation by the conjugate table) into a gradient's channe
 """
 import torch
 
-from ..ops.export import exporting
+from .export import exporting
 
 
 def _angles(n, theta):

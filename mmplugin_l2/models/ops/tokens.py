@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-from ..ops.export import exporting
+from .export import exporting
 
 
 def check_token_count(n, hw_shape):
