@@ -9,6 +9,7 @@ from mmplugin_l2.analysis.models import MODELS, build
 from mmplugin_l2.analysis.precision import (autocast_error, batch_error, cast_error, fp64_error, grad_error,
                                             rel_l2, run_checks)
 from mmplugin_l2.models.layers import EMSA, LinearAttention, TTTAttention, emsa_attention
+from mmplugin_l2.models.ops import INFERENCE, TRAIN, Path
 
 MODELS.setdefault('vit3_t', dict(type='ViT3', arch='tiny', drop_path_rate=0.))
 BACKBONES = ['hvit3_t', 'vit3_t', 'l2vit_t', 'rest_s']
@@ -40,8 +41,13 @@ def test_rest_fp32_matches_float64_and_is_batch_independent(size):
         assert max(errs) <= 1e-5, (name, errs)
 
 
-def test_rest_chunked_training_path_is_well_conditioned():
-    """The chunked (memory-saving) attention and its gradients against float64, on maps whose softmax is
+def _emsa_path(impl, piece):
+    """The path EMSA's dispatch gives with `piece` (None: whole maps, the reference)."""
+    return Path.reference() if piece is None else Path(impl, piece)
+
+
+def test_rest_training_pieces_are_well_conditioned():
+    """The training pieces (memory-saving) of the attention and its gradients against float64, on maps whose softmax is
     close to uniform: the regime where P - mean(P) cancels."""
     torch.manual_seed(0)
     b, h, n, nk, d = 2, 4, 300, 75, 16
@@ -52,15 +58,15 @@ def test_rest_chunked_training_path_is_well_conditioned():
     conv32 = torch.nn.Conv2d(h, h, 1)
     conv32.load_state_dict(conv64.state_dict())
     dout = torch.randn(b, h, n, d, dtype=torch.float64)
-    ref = emsa_attention(q64, k64, v64, d ** -0.5, conv64, piece=None)
+    ref = emsa_attention(Path.reference(), q64, k64, v64, d ** -0.5, conv64)
     gref = torch.autograd.grad(ref, [q64, k64, v64, conv64.weight], dout)
-    for chunk in (None, b * h * nk * 7):
+    for piece in (None, b * h * nk * 7):
         q, k, v = (t.detach().float().requires_grad_() for t in (q64, k64, v64))
-        out = emsa_attention(q, k, v, d ** -0.5, conv32, piece=chunk)
-        assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, chunk
+        out = emsa_attention(_emsa_path(TRAIN, piece), q, k, v, d ** -0.5, conv32)
+        assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, piece
         grads = torch.autograd.grad(out, [q, k, v, conv32.weight], dout.float())
         for g, gr, name in zip(grads, gref, 'q k v w'.split()):
-            assert ((g.double() - gr).abs().max() / gr.abs().max()).item() < 1e-4, (chunk, name)
+            assert ((g.double() - gr).abs().max() / gr.abs().max()).item() < 1e-4, (piece, name)
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
@@ -75,12 +81,12 @@ def test_rest_inference_pieces_are_well_conditioned(dtype):
     conv64 = torch.nn.Conv2d(h, h, 1).double()
     conv64.load_state_dict(conv.state_dict())
     with torch.no_grad():  # the reference from the same (rounded) inputs: the error is the layer's own
-        ref = emsa_attention(q.double(), k.double(), v.double(), d ** -0.5, conv64, piece=None)
+        ref = emsa_attention(Path.reference(), q.double(), k.double(), v.double(), d ** -0.5, conv64)
         errs = {}
-        for chunk in (None, b * h * nk * 7, 1):
-            out = emsa_attention(q, k, v, d ** -0.5, conv, piece=chunk)
+        for piece in (None, b * h * nk * 7, 1):
+            out = emsa_attention(_emsa_path(INFERENCE, piece), q, k, v, d ** -0.5, conv)
             assert out.dtype == dtype
-            errs[chunk] = ((out.double() - ref).norm() / ref.norm()).item()
+            errs[piece] = ((out.double() - ref).norm() / ref.norm()).item()
     assert max(errs.values()) <= 2 * torch.finfo(dtype).eps, errs  # the rounding of the dtype
     assert max(errs.values()) <= 1.5 * errs[None] + 1e-7, errs
 

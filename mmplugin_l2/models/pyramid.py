@@ -20,7 +20,6 @@ A `PyramidBackbone` has a stem `patch_embed` and a ModuleList `layers` of stages
 """
 import functools
 import operator
-import warnings
 
 import torch
 import torch.nn as nn
@@ -51,16 +50,6 @@ def resolve_arch(arch, arch_zoo, required_keys, name):
         raise ValueError(f'{name}: a custom arch dict needs the keys {sorted(required_keys)}; '
                          f'missing {sorted(missing)}')
     return dict(arch)
-
-
-def renamed_argument(owner, old, new, old_value, value):
-    """`value`, or `old_value` with a DeprecationWarning when the caller still passes an argument under its
-    old name `old` (None: not passed). Old names keep working for one release."""
-    if old_value is None:
-        return value
-    warnings.warn(f'{owner}: the argument `{old}` is renamed `{new}`; `{old}` will be removed in the next '
-                  f'release', DeprecationWarning, stacklevel=3)
-    return old_value
 
 
 def normalize_out_indices(out_indices, num_stages, name):

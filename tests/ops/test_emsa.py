@@ -1,4 +1,4 @@
-"""`ops.emsa`: ResT's EMSA attention A @ v, its reference (`naive_emsa_attention`, well-conditioned), inference
+"""`ops.emsa`: ResT's EMSA attention A @ v, its reference (`emsa_attention_reference`, well-conditioned), inference
 pieces and train function against the naive form (`naive.emsa_attention_naive`, the paper's Eq. 4), the
 dispatch of the `EMSA` layer, and the overflow guard of large logits."""
 import types
@@ -12,7 +12,7 @@ from conftest import saved_for_backward
 import mmplugin_l2.models.ops.emsa as emsa_op
 from mmplugin_l2.models.layers import EMSA
 from mmplugin_l2.models.ops import INFERENCE, TRAIN, Path
-from mmplugin_l2.models.ops.emsa import emsa_attention, naive_emsa_attention
+from mmplugin_l2.models.ops.emsa import emsa_attention, emsa_attention_reference
 from mmplugin_l2.models.ops.memory import MemoryPolicy, set_memory_policy
 from mmplugin_l2.models.ops.emsa.naive import emsa_attention_naive
 from ops.harness import assert_matches_naive, record_calls
@@ -30,7 +30,7 @@ def _conv(weight, bias):
 
 def _op(path, scale=0.4):
     def run(q, k, v, w=None, bias=None):
-        return emsa_attention(q, k, v, scale, _conv(w, bias), 1e-5, path)
+        return emsa_attention(path, q, k, v, scale, _conv(w, bias), 1e-5)
     return run
 
 
@@ -66,7 +66,7 @@ def test_inference_pieces_match_naive(heads, rows):
 @pytest.mark.parametrize('heads', [1, 3])
 @pytest.mark.parametrize('rows', [1, 5])
 def test_train_function_matches_naive(heads, rows):
-    """`ChunkedEMSAAttention` (forward in pieces, backward recomputed piece by piece): values and gradients of
+    """`EMSAPiecesFunction` (forward in pieces, backward recomputed piece by piece): values and gradients of
     q, k, v and the conv's weight and bias in float64."""
     assert_matches_naive(_op(Path(TRAIN, rows * 2 * heads * 10)), _naive, _inputs(heads), rtol=1e-9, atol=1e-11)
 
@@ -104,22 +104,22 @@ def test_fast_paths_under_autocast(dtype, heads):
     give them) = the float32 reference to half precision; the train function's gradients too."""
     q, k, v, *wb = [t.detach().float() for t in _inputs(heads)]
     conv = _conv(*wb) if wb else None
-    ref = naive_emsa_attention(q, k, v, 0.4, conv)
+    ref = emsa_attention_reference(q, k, v, 0.4, conv)
     tol = dict(rtol=0, atol=4 * torch.finfo(dtype).eps * ref.abs().max().item())
     qh, kh, vh = (t.to(dtype) for t in (q, k, v))
     with torch.autocast('cpu', dtype=dtype):
         with torch.no_grad():
-            out = emsa_attention(qh, kh, vh, 0.4, conv, 1e-5, Path(INFERENCE, 2 * heads * 10 * 5))
+            out = emsa_attention(Path(INFERENCE, 2 * heads * 10 * 5), qh, kh, vh, 0.4, conv, 1e-5)
         assert out.dtype == dtype
         torch.testing.assert_close(out.float(), ref, **tol)
         qg = qh.detach().requires_grad_()
-        out = emsa_attention(qg, kh, vh, 0.4, conv, 1e-5, Path(TRAIN, 2 * heads * 10 * 5))
-        assert 'ChunkedEMSAAttention' in type(out.grad_fn).__name__
+        out = emsa_attention(Path(TRAIN, 2 * heads * 10 * 5), qg, kh, vh, 0.4, conv, 1e-5)
+        assert 'EMSAPiecesFunction' in type(out.grad_fn).__name__
         torch.testing.assert_close(out.float(), ref, **tol)
         dout = torch.randn_like(ref)
         (gq,) = torch.autograd.grad(out.float(), qg, dout)
     qr = q.detach().requires_grad_()
-    (gq_ref,) = torch.autograd.grad(naive_emsa_attention(qr, k, v, 0.4, conv), qr, dout)
+    (gq_ref,) = torch.autograd.grad(emsa_attention_reference(qr, k, v, 0.4, conv), qr, dout)
     torch.testing.assert_close(gq.float(), gq_ref, rtol=0, atol=8 * torch.finfo(dtype).eps * gq_ref.abs().max())
 
 
@@ -132,7 +132,7 @@ def test_train_function_keeps_no_attention_map():
     conv = torch.nn.Conv2d(h, h, 1)
 
     def saved(path):
-        return [t.numel() for t in saved_for_backward(lambda: emsa_attention(q, k, v, 0.3, conv, 1e-5, path))[1]]
+        return [t.numel() for t in saved_for_backward(lambda: emsa_attention(path, q, k, v, 0.3, conv, 1e-5))[1]]
     dense, pieces = saved(Path.reference()), saved(Path(TRAIN, 2 ** 14))
     assert sum(s >= map_numel for s in dense) >= 3
     assert max(pieces) < map_numel // 8 and sum(pieces) < sum(dense) / 8
@@ -140,7 +140,7 @@ def test_train_function_keeps_no_attention_map():
 
 # ---------------------------------------------------------------- the layer's dispatch
 def _Calls(monkeypatch):
-    return record_calls(monkeypatch, emsa_op, emsa_in_pieces='inference', ChunkedEMSAAttention='train')
+    return record_calls(monkeypatch, emsa_op, emsa_in_pieces='inference', EMSAPiecesFunction='train')
 
 
 def _layer(devices=('cpu',), max_elems=50):

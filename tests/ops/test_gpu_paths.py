@@ -16,7 +16,7 @@ import mmplugin_l2.models.ops.window_attention.reference as wa_ref
 from mmplugin_l2.models.backbones import L2ViT
 from mmplugin_l2.models.layers import EMSA, TTTAttention, WindowAttention, rope_tables
 from mmplugin_l2.models.ops.checkpoint import PRODUCTS
-from mmplugin_l2.models.ops.emsa import naive_emsa_attention
+from mmplugin_l2.models.ops.emsa import emsa_attention_reference
 from mmplugin_l2.models.ops.emsa.reference import apply_map, centred_keys, softmax_map
 from mmplugin_l2.models.ops.window_attention import sdpa_batch_slices, sdpa_in_slices
 from ops.harness import assert_matches_reference
@@ -55,7 +55,7 @@ def test_single_head_emsa_sdpa_equals_written_out(n_keys):
     q = torch.randn(2, 1, 12, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 1, n_keys, 8, dtype=torch.float64, requires_grad=True)
     v = torch.randn(2, 1, n_keys, 8, dtype=torch.float64, requires_grad=True)
-    assert_matches_reference(lambda q, k, v: naive_emsa_attention(q, k, v, 0.7),
+    assert_matches_reference(lambda q, k, v: emsa_attention_reference(q, k, v, 0.7),
                              lambda q, k, v: _written_out_single_head(q, k, v, 0.7), [q, k, v])
 
 

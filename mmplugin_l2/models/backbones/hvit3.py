@@ -23,7 +23,8 @@ from mmengine.registry import MODELS
 from ..layers import (CPE, ConvDownsample, ConvMlp, ConvStem, Mlp, TTTAttention, add_residual, map_to_tokens,
                       pad_to_multiple, rope_tables, tokens_to_map)
 from ..ops.export import stage_boundary
-from ..pyramid import PyramidBackbone, renamed_argument, resolve_arch
+from ...deprecation import renamed_argument
+from ..pyramid import PyramidBackbone, resolve_arch
 
 
 def _init_linear_and_ln(m):

@@ -43,7 +43,8 @@ from ..layers import (LCM, L2ViTDownsample, L2ViTStem, LinearAttention, Mlp, Res
 from ..ops.export import stage_boundary
 from ..layers.mlp import norm_mlp_branch
 from ..ops.checkpoint import recomputed_branch as _branch
-from ..pyramid import PyramidBackbone, renamed_argument, resolve_arch
+from ...deprecation import renamed_argument
+from ..pyramid import PyramidBackbone, resolve_arch
 
 
 def _init_authors(m):

@@ -33,7 +33,8 @@ from mmengine.registry import MODELS
 from ..layers import EMSA, Mlp, ResTPatchEmbed, ResTStem, add_residual, map_to_tokens, tokens_to_map
 from ..ops.export import stage_boundary
 from ..layers.mlp import norm_mlp_branch
-from ..pyramid import PyramidBackbone, renamed_argument, resolve_arch
+from ...deprecation import renamed_argument
+from ..pyramid import PyramidBackbone, resolve_arch
 
 
 def _init_rest_weights(m):
@@ -108,7 +109,7 @@ class ResT(PyramidBackbone):
             True, the normalised map of a returned stage also feeds the next stage, as in the authors'
             detectron2 backbone. Use True to reproduce their detectors exactly, e.g. with their d2 weights.
         fast_train (bool): in training, attention maps of more than twice the memory policy's `max_elems`
-            entries are computed in query chunks of that size, recomputed in backward (same values, far
+            entries are computed in pieces of queries of that size, recomputed in backward (same values, far
             less memory), and the MLP branches recompute LayerNorm and GELU in backward. False: dense maps,
             plain autograd. Default: True.
         memory_policy (dict | None): how large a map a layer builds at once: dict(max_elems, devices), see

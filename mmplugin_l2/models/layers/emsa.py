@@ -22,12 +22,13 @@ described there), chosen once per forward by `ops.dispatch.choose`.
 """
 import torch.nn as nn
 
+from ...deprecation import renamed_attributes
 from ..ops import choose
-from ..ops.emsa import ChunkedEMSAAttention, emsa_attention, naive_emsa_attention
+from ..ops.emsa import EMSA_ATTENTION, EMSAPiecesFunction, emsa_attention, emsa_attention_reference
 from ..ops.memory import DEFAULT_POLICY
 from ..ops.tokens import map_to_tokens, tokens_to_map
 
-__all__ = ['EMSA', 'ChunkedEMSAAttention', 'emsa_attention', 'naive_emsa_attention']
+__all__ = ['EMSA', 'EMSAPiecesFunction', 'emsa_attention', 'emsa_attention_reference']
 
 
 class EMSA(nn.Module):
@@ -84,9 +85,10 @@ class EMSA(nn.Module):
         k, v = self.kv(x).reshape(b, -1, 2, h, c // h).permute(2, 0, 3, 1, 4).unbind(0)
         conv = self.transform_conv if self.apply_transform else None
         eps = self.transform_norm.eps if self.apply_transform else 1e-5
-        if self.attn_drop.p > 0 and self.training:  # a random mask cannot be recomputed
-            out = naive_emsa_attention(q, k, v, self.scale, conv, eps, self.attn_drop)
-        else:
-            path = choose(self, x, b * h * n * k.shape[2])
-            out = emsa_attention(q, k, v, self.scale, conv, eps, path)
+        path = choose(self, x, b * h * n * k.shape[2], EMSA_ATTENTION, modules=(self.attn_drop,))
+        out = emsa_attention(path, q, k, v, self.scale, conv, eps, self.attn_drop if self.attn_drop.p > 0 else None)
         return self.proj_drop(self.proj(out.transpose(1, 2).reshape(b, n, c)))
+
+
+__getattr__ = renamed_attributes(__name__, globals(), {'naive_emsa_attention': 'emsa_attention_reference',
+                                                       'ChunkedEMSAAttention': 'EMSAPiecesFunction'})

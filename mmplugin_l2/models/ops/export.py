@@ -1,7 +1,7 @@
 """Export mode: when a model is traced for ONNX / torch.export / torch.compile, every layer takes its plain
 formulation, the one autograd runs in training.
 
-The inference fast paths (token chunks, row bands, in-place and `out=` kernels, the complex-valued RoPE,
+The inference fast paths (pieces of tokens and of rows, in-place and `out=` kernels, the complex-valued RoPE,
 size-dependent Python branches) are there for eager speed and memory; a tracer would bake their loop counts
 and branch decisions into the graph (fixed input sizes) or cannot express them (complex tensors in ONNX,
 `out=` arguments). In export mode the layers use whole maps, out-of-place ops, a real-valued RoPE and

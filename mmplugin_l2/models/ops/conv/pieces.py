@@ -32,7 +32,9 @@ def _layer_rows(layer, x, top, bottom):
         x = F.pad(x.permute(0, 2, 3, 1), (0, 0, 0, 0, top, bottom)).permute(0, 3, 1, 2)
     elif top or bottom:
         x = F.pad(x, (0, 0, top, bottom))
-    weight = conv.weight.to(memory_format=torch.channels_last) if getattr(conv, 'kernel_channels_last', False) else conv.weight
+    weight = conv.weight
+    if getattr(conv, 'kernel_channels_last', False):
+        weight = weight.to(memory_format=torch.channels_last)
     x = F.conv2d(x, weight, conv.bias, conv.stride, (0, conv.padding[1]), conv.dilation, conv.groups)
     return norm_act(layer, x)
 

@@ -1,5 +1,5 @@
 """EMSA's A @ v over pieces of queries, without autograd: the inference path and the forward of the train
-path (`train.ChunkedEMSAAttention`).
+path (`train.EMSAPiecesFunction`).
 
 The rows of G (see `reference`) are independent, so only the instance norm's scale needs all queries: one pass
 accumulates sum(G^2) per (image, head) and the unscaled products G @ v, and the whole map's scale
@@ -8,12 +8,14 @@ In half precision a first pass accumulates sum(G^2) and a second applies r to ea
 The elementwise steps run in place: a piece's map stays in cache.
 """
 from ..dtypes import autocast_off, compute_dtype
+from ..split import split
 from .reference import apply_map, deviation_map, in_scale, softmax_map, sum_sq
 
 
-def query_pieces(n, rows):
-    """Slices of `rows` queries (the last one partial) covering n queries."""
-    return [slice(i, min(i + rows, n)) for i in range(0, n, rows)]
+def query_pieces(q, n_keys, piece):
+    """The pieces of EMSA's queries as slices of N: about `piece` entries of the (B, h, N, N') map each."""
+    b, h, n, _ = q.shape
+    return [slice(p.start, p.stop) for p in split(n, piece, unit=b * h * n_keys)]
 
 
 def emsa_in_pieces(q, kc, v, weight, scale, eps, pieces):

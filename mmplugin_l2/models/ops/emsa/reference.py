@@ -122,8 +122,9 @@ def fused_softmax_attention(q, kc, v):
     return q.dtype == kc.dtype == v.dtype and not torch.jit.is_tracing()
 
 
-def naive_emsa_attention(q, k, v, scale, transform_conv=None, eps=1e-5, attn_drop=None):
-    """A @ v on the whole (B, h, N, N') map.
+def emsa_attention_reference(q, k, v, scale, transform_conv=None, eps=1e-5, attn_drop=None):
+    """A @ v on the whole (B, h, N, N') map, well-conditioned (the module docstring); the maths as written is
+    `naive.emsa_attention_naive`.
 
     Args:
         q (Tensor): queries (B, h, N, d).

@@ -11,17 +11,17 @@ from .pieces import emsa_in_pieces, query_pieces
 from .reference import deviation_map, softmax_map
 
 
-class ChunkedEMSAAttention(torch.autograd.Function):
-    """A @ v of EMSA in pieces of `rows` queries, recomputed in backward.
+class EMSAPiecesFunction(torch.autograd.Function):
+    """A @ v of EMSA in pieces of queries, recomputed in backward.
 
     Inputs: q (B, h, N, d), centred keys kc and values v (B, h, N', d), contiguous; `weight` (h, h, 1, 1) of
     the head-mixing conv (its bias does not change A), or None for the single-head form; `scale`, `eps` (IN),
-    `rows` (queries per piece). Output (B, h, N, d) in v's dtype.
+    `piece` (entries of the attention map per piece, `ops.split`). Output (B, h, N, d) in v's dtype.
     """
 
     @staticmethod
-    def forward(ctx, q, kc, v, weight, scale, eps, rows):
-        pieces = query_pieces(q.shape[2], rows)
+    def forward(ctx, q, kc, v, weight, scale, eps, piece):
+        pieces = query_pieces(q, kc.shape[2], piece)
         out, r = emsa_in_pieces(q, kc, v, weight, scale, eps, pieces)
         ctx.pieces, ctx.scale = pieces, scale
         ctx.save_for_backward(q, kc, v, weight, out, r)
