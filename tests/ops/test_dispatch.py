@@ -1,7 +1,13 @@
 """`ops.dispatch.choose`: the one rule that picks an op's implementation."""
+import contextlib
+
+import pytest
 import torch
 import torch.nn as nn
 
+from mmplugin_l2.models.layers import EMSA, LinearAttention, TTTAttention, WindowAttention
+from mmplugin_l2.models.ops import dispatch
+from mmplugin_l2.models.ops.memory import set_memory_policy
 from mmplugin_l2.models.ops import (CHECKPOINT, INFERENCE, INFERENCE_ONLY, REFERENCE, TRAIN, Fast, Supports,
                                     choose)
 from mmplugin_l2.models.ops.export import export_mode
@@ -42,7 +48,7 @@ def test_train_needs_fast_train_and_pieces_only_on_policy_devices():
 
 def test_export_and_unsupported_half_take_the_reference():
     m = _layer().eval()
-    no_half = Supports(inference=Fast(half=False))
+    no_half = Supports(inference=Fast(half=False, autocast=False))
     with torch.no_grad():
         with export_mode():
             assert choose(m, torch.zeros(1, 16), 16) == (REFERENCE, None)
@@ -50,13 +56,15 @@ def test_export_and_unsupported_half_take_the_reference():
         with torch.autocast('cpu', dtype=torch.bfloat16):
             assert choose(m, torch.zeros(1, 16), 16, no_half) == (REFERENCE, None)
             assert choose(m, torch.zeros(1, 16), 16) == (INFERENCE, 4)
+            assert choose(m, torch.zeros(1, 16), 16, Supports(inference=Fast(half=False))) == (INFERENCE, 4)
+            assert choose(m, torch.zeros(1, 16), 16, Supports(inference=Fast(autocast=False))) == (REFERENCE, None)
 
 
 def test_declared_support_decides_and_checkpoint_is_the_fallback():
     """Dropout, train-mode norms, activations, pieces-only paths and input gradients are read from the op's
     declaration; outside the train path an op that checkpoints gets CHECKPOINT, not the train path."""
     drop, bn, gelu, relu = nn.Dropout(0.1), nn.BatchNorm2d(2), nn.GELU(), nn.ReLU()
-    strict = Supports(train=Fast(half=False, dropout=False, act=lambda a: isinstance(a, nn.GELU),
+    strict = Supports(train=Fast(half=False, autocast=False, dropout=False, act=lambda a: isinstance(a, nn.GELU),
                                  input_grad=True), checkpoint=True)
     m, x = _layer(), _grad_input()
     assert choose(m, x, 16, strict, modules=(drop.eval(),), acts=(gelu,)) == (TRAIN, 4)
@@ -73,3 +81,46 @@ def test_declared_support_decides_and_checkpoint_is_the_fallback():
         pieces_only = Supports(inference=Fast(pieces_only=True))
         assert choose(m, x, 16, pieces_only) == (INFERENCE, 4)
         assert choose(m, x, 8, pieces_only) == (REFERENCE, None)
+
+
+@contextlib.contextmanager
+def _pieces_given():
+    """The pieces `choose` gave while inside (every layer's one dispatch)."""
+    given, saved = [], dispatch._policy_piece
+    dispatch._policy_piece = lambda *a: given.append(saved(*a)) or given[-1]
+    try:
+        yield given
+    finally:
+        dispatch._policy_piece = saved
+
+
+_LAYERS = {  # a layer and its forward on a (B, 8 x 6, C) float64 map
+    'ttt': (lambda: TTTAttention(8, 2), lambda m, x: m(x, (8, 6))),
+    'emsa': (lambda: EMSA(8, 2, 2, qkv_bias=True), lambda m, x: m(x, (8, 6))),
+    'linear_attention': (lambda: LinearAttention(8, 2), lambda m, x: m(x)),
+    'window_attention': (lambda: WindowAttention(8, 2, 4), lambda m, x: m(x, (8, 6))),
+}
+
+
+@pytest.mark.parametrize('name', sorted(_LAYERS))
+@pytest.mark.parametrize('training', [False, True])
+def test_layers_take_pieces_only_on_the_policys_devices(name, training):
+    """Every layer hands its memory policy to `choose`: pieces for a CPU map on devices=('cpu',), whole maps
+    with devices=('cuda',) (as a CUDA map by default), the same values as whole maps either way."""
+    build, forward = _LAYERS[name]
+    torch.manual_seed(0)
+    whole = build().double().train(training)
+    set_memory_policy(whole, None)
+    x = torch.randn(2, 48, 8, dtype=torch.float64, requires_grad=training)
+    with torch.set_grad_enabled(training):
+        ref = forward(whole, x)
+        for devices, pieces in ((('cpu',), True), (('cuda',), False)):
+            m = build().double().train(training)
+            m.load_state_dict(whole.state_dict())
+            set_memory_policy(m, MemoryPolicy(max_elems=16, devices=devices))
+            with _pieces_given() as given:
+                out = forward(m, x)
+            if training and name == 'window_attention':      # no train path: never asks for pieces
+                pieces = False
+            assert any(p is not None for p in given) == pieces, (devices, given)
+            torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)

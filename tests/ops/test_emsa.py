@@ -149,25 +149,6 @@ def _layer(devices=('cpu',), max_elems=50):
     return m
 
 
-@pytest.mark.parametrize('devices,pieces', [(('cpu',), True), (('cuda',), False)])
-def test_pieces_only_on_the_policys_devices(monkeypatch, devices, pieces):
-    """Inference and training take pieces on the policy's devices only: with devices=('cuda',) a CPU map is
-    computed whole (as a CUDA map is by default); the values are the same."""
-    calls = _Calls(monkeypatch)
-    m, x = _layer(devices), torch.randn(2, 9 * 7, 12, dtype=torch.float64)
-    ref = _layer(max_elems=None)
-    ref.load_state_dict(m.state_dict())
-    m.train()
-    ref.train()
-    out = m(x, (9, 7))
-    torch.testing.assert_close(out, ref(x, (9, 7)), rtol=1e-10, atol=1e-12)
-    out.sum().backward()
-    m.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(m(x, (9, 7)), ref(x, (9, 7)), rtol=1e-10, atol=1e-12)
-    assert calls.names == (['train', 'inference'] if pieces else [])
-
-
 def test_whole_maps_up_to_twice_the_piece_size(monkeypatch):
     """In training the train function takes pieces above 2 * max_elems map entries, whole maps up to it; never
     in eval mode with autograd or with fast_train=False."""

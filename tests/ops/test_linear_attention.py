@@ -103,18 +103,6 @@ def _recording(monkeypatch):
     return record_calls(monkeypatch, la_op, linear_attention_in_pieces='inference', LinearAttentionCore='train')
 
 
-@pytest.mark.parametrize('devices,pieces', [(('cpu',), True), (('cuda',), False)])
-def test_pieces_only_on_the_policys_devices(monkeypatch, devices, pieces):
-    calls = _recording(monkeypatch)
-    m = LinearAttention(16, 2).double().eval()
-    set_memory_policy(m, MemoryPolicy(max_elems=10, devices=devices))
-    x = torch.randn(2, 45, 16, dtype=torch.float64)
-    with torch.no_grad():
-        out = m(x)
-    torch.testing.assert_close(out, m(x).detach(), rtol=1e-10, atol=1e-12)   # eval with grad: the reference
-    assert calls.names == (['inference'] if pieces else [])
-
-
 def test_train_eval_with_grad_and_train_under_no_grad(monkeypatch):
     """Training takes `LinearAttentionCore` (fast_train=False: plain autograd); Grad-CAM (eval mode, autograd
     recording) and a train-mode model under no_grad take the reference, on whole maps."""

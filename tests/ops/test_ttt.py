@@ -227,22 +227,6 @@ def _Calls(monkeypatch):
     return record_calls(monkeypatch, ttt_op, ttt_inference='inference', TTTCore='train')
 
 
-@pytest.mark.parametrize('devices,piece', [(('cpu',), 2 * 4 * 8), (('cuda',), None)])
-def test_pieces_only_on_the_policys_devices(monkeypatch, devices, piece):
-    """Training (recompute) and inference take the fast paths; pieces only on the policy's devices (a CPU map
-    with devices=('cuda',) is computed whole, as a CUDA map is by default). Values equal the reference."""
-    calls = _Calls(monkeypatch)
-    m, ref = _layer(max_elems=2 * 4 * 8, devices=devices), _layer()
-    x = torch.randn(2, HW[0] * HW[1], 8, dtype=torch.float64)
-    rot = _rot(8, True)
-    out = m.train()(x, HW, rot)
-    torch.testing.assert_close(out, ref.eval()(x, HW, rot), rtol=1e-10, atol=1e-12)
-    out.sum().backward()
-    with torch.no_grad():
-        torch.testing.assert_close(m.eval()(x, HW, rot), out, rtol=1e-10, atol=1e-12)
-    assert calls.names == ['train', 'inference'] and [a[-1] for _, a in calls] == [piece, piece]
-
-
 def test_eval_with_grad_train_under_no_grad_and_export_take_the_reference(monkeypatch):
     """Grad-CAM (eval mode, autograd recording), a train-mode layer under no_grad, fast_train=False and export
     mode: the reference."""

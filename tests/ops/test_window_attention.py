@@ -81,18 +81,6 @@ def _recording(monkeypatch):
     return record_calls(monkeypatch, wa_op, window_attention_in_pieces='inference')
 
 
-@pytest.mark.parametrize('devices,pieces', [(('cpu',), True), (('cuda',), False)])
-def test_pieces_only_on_the_policys_devices(monkeypatch, devices, pieces):
-    calls = _recording(monkeypatch)
-    m = _attn(True).eval()
-    set_memory_policy(m, MemoryPolicy(max_elems=1, devices=devices))
-    x = torch.randn(2, 9 * 10, 16, dtype=torch.float64)
-    with torch.no_grad():
-        out = m(x, (9, 10))
-    torch.testing.assert_close(out, _naive(m, (9, 10), _mask(m, (9, 10), 2))(x), rtol=1e-10, atol=1e-12)
-    assert calls.names == (['inference'] if pieces else [])
-
-
 def test_eval_with_grad_and_training_take_the_reference(monkeypatch):
     calls = _recording(monkeypatch)
     m = _attn()

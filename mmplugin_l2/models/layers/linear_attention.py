@@ -23,7 +23,8 @@ import torch
 import torch.nn as nn
 
 from ..ops import choose
-from ..ops.linear_attention import LinearAttentionCore, linear_attention  # noqa: F401 (re-exported)
+from ..ops.linear_attention import (LINEAR_ATTENTION, LINEAR_ATTENTION_HALF_SUMS, LinearAttentionCore,  # noqa: F401
+                                    linear_attention)
 from ..ops.memory import DEFAULT_POLICY
 
 
@@ -43,7 +44,8 @@ class LinearAttention(nn.Module):
 
     #: pieces of tokens x channels (the batch included) at inference
     memory_policy = DEFAULT_POLICY
-    #: training takes the closed-form backward (`LinearAttentionCore`: keeps only Q, K, v); False: autograd
+    #: the fast training path: the closed-form backward `LinearAttentionCore` (keeps only Q, K, v; nothing is
+    #: recomputed); False: plain autograd
     fast_train = True
 
     def __init__(self, dim, num_heads, qkv_bias=True, clamp_min=100., fp32_reduce=True):
@@ -58,6 +60,6 @@ class LinearAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x, norm=None):
-        path = choose(self, x, x.numel())
+        path = choose(self, x, x.numel(), LINEAR_ATTENTION if self.fp32_reduce else LINEAR_ATTENTION_HALF_SUMS)
         return linear_attention(path, x, self.qkv, self.proj, self.temperature, self.num_heads, self.clamp_min,
                                 self.fp32_reduce, norm)

@@ -13,7 +13,7 @@ layer re-decides. Its inputs:
   inference needs eval mode and no autograd recording; the train path needs train mode, autograd recording
   and the module's `fast_train` switch;
 * what the op's fast paths support (`Supports`, declared once by each op next to its implementations and
-  passed here): half precision and autocast, active dropout, train-mode BatchNorms, the activation, whether
+  passed here): half precision, autocast, active dropout, train-mode BatchNorms, the activation, whether
   a path exists on whole maps or only in pieces;
 * the memory policy (`MemoryPolicy`): the piece size, only on the policy's devices (CPU by default; CUDA
   runs whole maps unless a user adds it to `devices`).
@@ -45,12 +45,13 @@ class Path(NamedTuple):
 class Fast(NamedTuple):
     """What one fast path (inference or train) of an op runs on; outside it `choose` does not take it.
 
-    half: fp16 / bf16 inputs and autocast. dropout: an active dropout (p > 0, train mode) among the op's
+    half: fp16 / bf16 inputs. autocast: under autocast on the input's device. dropout: an active dropout (p > 0, train mode) among the op's
     modules. train_norm: a BatchNorm in train mode among them. act: a predicate every activation of the op
     must satisfy (None: any). pieces_only: the path exists only in pieces (whole maps take the reference).
     input_grad: the path needs the input to require a gradient (train paths whose backward is written for it).
     """
     half: bool = True
+    autocast: bool = True
     dropout: bool = True
     train_norm: bool = True
     act: Optional[Callable] = None
@@ -102,7 +103,9 @@ def _takes(fast, x, piece, modules, acts):
     """Whether the fast path `fast` runs on input `x` with `piece`, the op's `modules` and `acts`."""
     if fast is None or (fast.pieces_only and piece is None):
         return False
-    if not fast.half and (x.dtype in HALF_DTYPES or autocast_on(x.device.type)):
+    if not fast.half and x.dtype in HALF_DTYPES:
+        return False
+    if not fast.autocast and autocast_on(x.device.type):
         return False
     if not fast.dropout and _dropout_active(modules):
         return False

@@ -8,6 +8,7 @@ whole map up to the summation order of the two sums over tokens.
 """
 import torch
 
+from ..split import split
 from .reference import fp32_reduce_context
 
 
@@ -30,15 +31,15 @@ def linear_attention_in_pieces(x, qkv, proj, temperature, num_heads, clamp_min, 
     """
     b, n, c = x.shape
     d = c // num_heads
-    step = max(1, piece // (b * c))
+    pieces = [slice(p.start, p.stop) for p in split(n, piece, unit=b * c)]
     fp32, reduce_ctx = fp32_reduce_context(x, fp32_reduce)
     heads = [slice(h * d, (h + 1) * d) for h in range(num_heads)]
     ksum, kv, out = [None] * num_heads, [None] * num_heads, None
-    for i in range(0, n, step):
-        t = qkv(x[:, i:i + step] if norm is None else norm(x[:, i:i + step]))
+    for p in pieces:
+        t = qkv(x[:, p] if norm is None else norm(x[:, p]))
         if out is None:
             out = t.new_empty(b, n, c)
-        torch.clamp_min(t[..., :c], 0, out=out[:, i:i + step])         # Q of this piece
+        torch.clamp_min(t[..., :c], 0, out=out[:, p])                  # Q of this piece
         k, v = t[..., c:2 * c].relu_(), t[..., 2 * c:]
         with reduce_ctx:
             if fp32:
@@ -53,8 +54,8 @@ def linear_attention_in_pieces(x, qkv, proj, temperature, num_heads, clamp_min, 
     kvt = [kv[h] * temperature[h] for h in range(num_heads)]
     ksum = [s.unsqueeze(-1) for s in ksum]
     y = None
-    for i in range(0, n, step):
-        q = out[:, i:i + step]
+    for p in pieces:
+        q = out[:, p]
         with reduce_ctx:
             if fp32:
                 q = q.float()
@@ -63,5 +64,5 @@ def linear_attention_in_pieces(x, qkv, proj, temperature, num_heads, clamp_min, 
             for h, sl in enumerate(heads):
                 denom = torch.bmm(q[..., sl], ksum[h]).clamp_min_(clamp_min)
                 torch.div(torch.bmm(q[..., sl], kvt[h]), denom, out=y[..., sl])
-        out[:, i:i + step] = proj(y.to(out.dtype))
+        out[:, p] = proj(y.to(out.dtype))
     return out
