@@ -71,7 +71,7 @@ def test_declared_support_decides_and_checkpoint_is_the_fallback():
     assert choose(m, x, 16, strict, modules=(drop.train(),), acts=(gelu,)) == (CHECKPOINT, None)
     assert choose(m, x, 16, strict, acts=(relu,)) == (CHECKPOINT, None)
     assert choose(m, x.half(), 16, strict) == (CHECKPOINT, None)                 # half precision
-    assert choose(m, x.detach(), 16, strict) == (REFERENCE, None)                # nothing to checkpoint for
+    assert choose(m, x.detach(), 16, strict) == (CHECKPOINT, None)               # no input gradient
     assert choose(m, x.detach(), 16, Supports(train=Fast(input_grad=True))) == (REFERENCE, None)
     norms = Supports(inference=Fast(train_norm=False))
     m.eval()

@@ -68,7 +68,7 @@ class ResTBlock(nn.Module):
         x = add_residual(self.drop_path(self.attn(self.norm1(x), hw_shape)), x)
         # with `fast_train`, the MLP branch keeps x and the fc1 output and recomputes LN and GELU in
         # backward (`mlp.NormMlpFunction`, in cache-sized pieces on CPU); at inference LN runs in the pieces
-        mlp = norm_mlp_branch(self, self.norm2, self.mlp, x, recompute_otherwise=False)
+        mlp = norm_mlp_branch(self, self.norm2, self.mlp, x, checkpoint=False)
         return add_residual(self.drop_path(mlp), x)
 
 

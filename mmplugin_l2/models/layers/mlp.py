@@ -16,14 +16,13 @@ GELU in backward).
 import torch.nn as nn
 from mmcv.cnn import build_activation_layer
 
-from ..ops import choose
-from ..ops.dispatch import trains_fast
+from ..ops import CHECKPOINT, TRAIN, choose
+from ..ops.checkpoint import recomputed_branch
 from ..ops.memory import DEFAULT_POLICY
-from ..ops.mlp import (ConvMlpPiecesFunction, ConvMlpFunction, NormMlpFunction, conv_mlp,  # noqa: F401
-                       linear_into as _linear_into, mlp, norm_mlp_train, train_applies)
+from ..ops.mlp import (CONV_MLP, MLP, NORM_MLP, ConvMlpPiecesFunction, ConvMlpFunction,  # noqa: F401
+                       NormMlpFunction, conv_mlp, mlp, norm_mlp_train)
 from ..ops.mlp.pieces import gelu_
 from .conv import Conv2dCL
-from ..ops.checkpoint import recomputed_branch
 
 
 def gelu(x, inplace=False):
@@ -57,7 +56,8 @@ class Mlp(nn.Module):
         self.drop = nn.Dropout(drop)
 
     def forward(self, x, hw_shape=None, norm=None):
-        return mlp(choose(self, x, x.numel()), x, self.fc1, self.fc2, self.act, self.drop, norm)
+        path = choose(self, x, x.numel(), MLP, modules=(self.drop,), acts=(self.act,))
+        return mlp(path, x, self.fc1, self.fc2, self.act, self.drop, norm)
 
 
 class ConvMlp(nn.Module):
@@ -87,20 +87,21 @@ class ConvMlp(nn.Module):
         self.drop = nn.Dropout(drop)
 
     def forward(self, x, hw_shape):
-        return conv_mlp(choose(self, x, x.numel()), x, hw_shape, self.fc1, self.dwc, self.fc2, self.act,
-                        self.drop)
+        path = choose(self, x, x.numel(), CONV_MLP, modules=(self.drop,), acts=(self.act,))
+        return conv_mlp(path, x, hw_shape, self.fc1, self.dwc, self.fc2, self.act, self.drop)
 
 
-def norm_mlp_branch(block, norm, mlp, x, recompute_otherwise=True):
-    """The pre-norm MLP branch mlp(norm(x)) of `block` (an `Mlp`, which takes `norm=`). When the block
-    recomputes (`ops.dispatch.trains_fast`), an affine LayerNorm and an `Mlp` where `ops.mlp.train_applies`
-    run `NormMlpFunction` (the piece from `ops.dispatch.choose` with the MLP's policy); otherwise the whole
-    branch is recomputed in backward (`checkpoint.recomputed_branch`; with `recompute_otherwise=False` plain
-    autograd instead)."""
-    if not trains_fast(block):
-        return mlp(x, norm=norm)
-    if (isinstance(norm, nn.LayerNorm) and norm.elementwise_affine and isinstance(mlp, Mlp)
-            and train_applies(x, mlp.act, mlp.drop)):
-        path = choose(block, x, x.numel(), policy=mlp.memory_policy)
+def norm_mlp_branch(block, norm, mlp, x, checkpoint=True):
+    """The pre-norm MLP branch mlp(norm(x)) of `block` (an `Mlp`, which takes `norm=`), its path chosen with
+    `block`'s mode and `fast_train` and the MLP's memory policy: `NormMlpFunction` where `ops.mlp.NORM_MLP`
+    applies (an affine LayerNorm and an `Mlp`), else the whole branch recomputed in backward
+    (`checkpoint.recomputed_branch`; with `checkpoint=False` plain autograd instead), else `mlp(x, norm=norm)`
+    (its own path)."""
+    fused = isinstance(norm, nn.LayerNorm) and norm.elementwise_affine and isinstance(mlp, Mlp)
+    supports = NORM_MLP._replace(train=NORM_MLP.train if fused else None, checkpoint=checkpoint)
+    path = choose(block, x, x.numel(), supports, modules=(mlp.drop,), acts=(mlp.act,), policy=mlp.memory_policy)
+    if path.impl == TRAIN:
         return norm_mlp_train(x, norm, mlp.fc1, mlp.fc2, path.piece)
-    return recomputed_branch(block, norm, mlp, x) if recompute_otherwise else mlp(x, norm=norm)
+    if path.impl == CHECKPOINT:
+        return recomputed_branch(block, norm, mlp, x)
+    return mlp(x, norm=norm)

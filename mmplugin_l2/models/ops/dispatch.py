@@ -145,6 +145,6 @@ def choose(module, x, whole_elems, supports=Supports(), *, modules=(), acts=(), 
         piece = _policy_piece(policy, x, whole_elems)
         if _takes(supports.train, x, piece, modules, acts):
             return Path(TRAIN, piece)
-        if supports.checkpoint and x.requires_grad:
+        if supports.checkpoint:
             return Path(CHECKPOINT, None)
     return Path.reference()

@@ -1,24 +1,24 @@
 """The MLP ops: `naive` (the maths, the tests' oracle), `reference` (plain autograd, the activation a
 parameter), `pieces` (inference, exact GELU in place, in pieces of tokens / rows), `train` (closed-form backward
-functions, exact GELU). `mlp` and `conv_mlp` dispatch between the last three from the `Path` of
-`ops.dispatch.choose`; `norm_mlp_train` is the pre-norm MLP branch's training function.
+functions, exact GELU). `mlp` and `conv_mlp` run the implementation the `Path` of `ops.dispatch.choose` names;
+`MLP`, `CONV_MLP` and `NORM_MLP` declare what their fast paths support; `norm_mlp_train` is the pre-norm MLP
+branch's training function.
 
-A setting a fast path does not support falls back to the reference: an activation other than exact GELU
-(every path), dropout in training and half precision / autocast (the train functions). Under the train
-path the reference is then recomputed in backward (activation checkpointing, RNG state preserved).
+Every fast path needs the exact GELU; the train functions also fp32 / fp64 tensors outside autocast and no
+active dropout (its masks need checkpointing's RNG replay). Outside that, training checkpoints the reference
+(recomputed in backward, RNG state preserved).
 """
-import torch
 import torch.nn as nn
 
-from ..dispatch import INFERENCE, TRAIN
-from ..dtypes import autocast_on
+from ..checkpoint import checkpointed
+from ..dispatch import CHECKPOINT, INFERENCE, TRAIN, Fast, Supports
 from .pieces import conv_mlp_inference, gelu_, linear_into, mlp_inference
 from .reference import conv_mlp_reference, mlp_reference
 from .train import ConvMlpPiecesFunction, ConvMlpFunction, NormMlpFunction
 
-__all__ = ['ConvMlpPiecesFunction', 'ConvMlpFunction', 'NormMlpFunction', 'conv_mlp', 'conv_mlp_inference',
-           'conv_mlp_reference', 'exact_gelu', 'gelu_', 'linear_into', 'mlp', 'mlp_inference', 'mlp_reference',
-           'norm_mlp_train', 'train_applies']
+__all__ = ['CONV_MLP', 'ConvMlpPiecesFunction', 'ConvMlpFunction', 'MLP', 'NORM_MLP', 'NormMlpFunction', 'conv_mlp',
+           'conv_mlp_inference', 'conv_mlp_reference', 'exact_gelu', 'gelu_', 'linear_into', 'mlp', 'mlp_inference',
+           'mlp_reference', 'norm_mlp_train']
 
 
 def exact_gelu(act):
@@ -26,25 +26,22 @@ def exact_gelu(act):
     return type(act) is nn.GELU and act.approximate == 'none'
 
 
-def train_applies(x, act, drop):
-    """Whether the closed-form training functions may run: exact GELU, no active dropout (its masks need
-    checkpointing's RNG replay), fp32 / fp64 tokens outside autocast."""
-    return (exact_gelu(act) and not (drop.p > 0 and drop.training) and x.dtype in (torch.float32, torch.float64)
-            and not autocast_on(x.device.type))
-
-
-def _checkpointed(fn, *args):
-    from ..checkpoint import checkpointed
-    return checkpointed(fn, *args)
+#: what the closed-form training functions take
+_TRAIN_FUNCTION = Fast(half=False, autocast=False, dropout=False, act=exact_gelu, input_grad=True)
+#: Mlp: inference in pieces / in place; training checkpoints the reference
+MLP = Supports(inference=Fast(act=exact_gelu), train=None, checkpoint=True)
+#: ConvMlp: inference in pieces / in place; training `ConvMlpFunction` / `ConvMlpPiecesFunction`, else checkpointed
+CONV_MLP = Supports(inference=Fast(act=exact_gelu), train=_TRAIN_FUNCTION, checkpoint=True)
+#: a block's pre-norm MLP branch (affine LayerNorm, `Mlp`): training `NormMlpFunction`, else checkpointed
+NORM_MLP = Supports(inference=None, train=_TRAIN_FUNCTION._replace(input_grad=False), checkpoint=True)
 
 
 def mlp(path, x, fc1, fc2, act, drop, norm=None):
     """The transformer MLP fc2(act(fc1(norm(x)))) (dropout after act and fc2).
 
     Args:
-        path (Path): from `ops.dispatch.choose` (piece unit: elements of x). 'inference' runs
-            `mlp_inference` (exact GELU only), 'train' the reference recomputed in backward when x needs a
-            gradient, anything else the reference.
+        path (Path): from `ops.dispatch.choose` with `MLP` (piece unit: elements of x). 'inference' runs
+            `mlp_inference`, 'checkpoint' the reference recomputed in backward, anything else the reference.
         x (Tensor): tokens (..., C).
         fc1 (nn.Linear): C -> rC.
         fc2 (nn.Linear): rC -> C_out.
@@ -55,11 +52,11 @@ def mlp(path, x, fc1, fc2, act, drop, norm=None):
     Returns:
         Tensor: (..., C_out).
     """
-    if path.impl == INFERENCE and exact_gelu(act):
+    if path.impl == INFERENCE:
         return mlp_inference(x, fc1, fc2, path.piece, norm)
-    if path.impl == TRAIN and x.requires_grad:
+    if path.impl == CHECKPOINT:
         x = x if norm is None else norm(x)
-        return _checkpointed(lambda t: mlp_reference(t, fc1, fc2, act, drop), x)
+        return checkpointed(lambda t: mlp_reference(t, fc1, fc2, act, drop), x)
     return mlp_reference(x, fc1, fc2, act, drop, norm)
 
 
@@ -67,10 +64,9 @@ def conv_mlp(path, x, hw_shape, fc1, dwc, fc2, act, drop, keep_fc1=True):
     """ConvMlp: fc2(act(u + dwc(u))), u = act(fc1(x)) (dropout after the first act and fc2).
 
     Args:
-        path (Path): from `ops.dispatch.choose` (piece unit: elements of x). 'inference' runs
-            `conv_mlp_inference` (exact GELU); 'train' (x needing a gradient) `ConvMlpPiecesFunction` with a
-            piece and `keep_fc1`, else `ConvMlpFunction` (where `train_applies`), else the reference
-            recomputed in backward; anything else the reference.
+        path (Path): from `ops.dispatch.choose` with `CONV_MLP` (piece unit: elements of x). 'inference' runs
+            `conv_mlp_inference`; 'train' `ConvMlpPiecesFunction` with a piece and `keep_fc1`, else
+            `ConvMlpFunction`; 'checkpoint' the reference recomputed in backward; anything else the reference.
         x (Tensor): tokens (B, N, C) of an (H, W) map.
         hw_shape (tuple[int]): (H, W).
         fc1 (nn.Linear): C -> rC.
@@ -83,22 +79,21 @@ def conv_mlp(path, x, hw_shape, fc1, dwc, fc2, act, drop, keep_fc1=True):
     Returns:
         Tensor: (B, N, C_out).
     """
-    if path.impl == INFERENCE and exact_gelu(act):
+    if path.impl == INFERENCE:
         return conv_mlp_inference(x, hw_shape, fc1, dwc, fc2, path.piece)
-    if path.impl == TRAIN and x.requires_grad:
-        if train_applies(x, act, drop):
-            params = (fc1.weight, fc1.bias, dwc.weight, dwc.bias, fc2.weight, fc2.bias)
-            if path.piece is not None and keep_fc1:
-                rows = max(1, path.piece // (x.shape[0] * hw_shape[1] * x.shape[-1]))
-                return ConvMlpPiecesFunction.apply(x, tuple(hw_shape), rows, *params)
-            return ConvMlpFunction.apply(x, tuple(hw_shape), keep_fc1, *params)
-        return _checkpointed(lambda t: conv_mlp_reference(t, hw_shape, fc1, dwc, fc2, act, drop), x)
+    if path.impl == TRAIN:
+        params = (fc1.weight, fc1.bias, dwc.weight, dwc.bias, fc2.weight, fc2.bias)
+        if path.piece is not None and keep_fc1:
+            return ConvMlpPiecesFunction.apply(x, tuple(hw_shape), path.piece, *params)
+        return ConvMlpFunction.apply(x, tuple(hw_shape), keep_fc1, *params)
+    if path.impl == CHECKPOINT:
+        return checkpointed(lambda t: conv_mlp_reference(t, hw_shape, fc1, dwc, fc2, act, drop), x)
     return conv_mlp_reference(x, hw_shape, fc1, dwc, fc2, act, drop)
 
 
 def norm_mlp_train(x, norm, fc1, fc2, piece=None):
-    """The pre-norm MLP branch fc2(GELU(fc1(norm(x)))) as `NormMlpFunction` (the caller checks
-    `train_applies` and that `norm` is an affine LayerNorm), in pieces of about `piece` elements of x.
+    """The pre-norm MLP branch fc2(GELU(fc1(norm(x)))) as `NormMlpFunction` (the path `NORM_MLP` declares: an
+    affine LayerNorm `norm`), in pieces of about `piece` elements of x.
 
     Args:
         x (Tensor): tokens (..., C).
@@ -110,6 +105,5 @@ def norm_mlp_train(x, norm, fc1, fc2, piece=None):
     Returns:
         Tensor: (..., C_out).
     """
-    rows = None if piece is None else piece // x.shape[-1]
     return NormMlpFunction.apply(x, norm.weight, norm.bias, norm.eps, fc1.weight, fc1.bias, fc2.weight,
-                                 fc2.bias, rows)
+                                 fc2.bias, piece)

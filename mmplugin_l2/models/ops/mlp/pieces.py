@@ -8,6 +8,7 @@ output has the dtype the whole-map reference gives.
 """
 import torch
 
+from ..split import split
 from ..tokens import add_residual, tokens_conv
 
 
@@ -45,14 +46,13 @@ def mlp_inference(x, fc1, fc2, piece=None, norm=None):
         return fc2(gelu_(fc1(x)))
     c = x.shape[-1]
     x2 = x.reshape(-1, c)
-    step = max(1, piece // c)
     out2 = None
-    for i in range(0, x2.shape[0], step):
-        t = x2[i:i + step] if norm is None else norm(x2[i:i + step])
+    for p in split(x2.shape[0], piece, unit=c):
+        t = x2[p.start:p.stop] if norm is None else norm(x2[p.start:p.stop])
         u = gelu_(fc1(t))
         if out2 is None:
             out2 = u.new_empty(x2.shape[0], fc2.out_features)
-        linear_into(out2[i:i + step], u, fc2.weight, fc2.bias)
+        linear_into(out2[p.start:p.stop], u, fc2.weight, fc2.bias)
     return out2.view(x.shape[:-1] + (fc2.out_features,))
 
 
@@ -77,12 +77,9 @@ def conv_mlp_inference(x, hw_shape, fc1, dwc, fc2, piece=None):
         return fc2(gelu_(add_residual(tokens_conv(dwc, u, hw_shape), u)))
     b, n, c = x.shape
     h, w = hw_shape
-    rows = max(1, piece // (b * w * c))
     xm = x.view(b, h, w, c)
     out = None
-    for r0 in range(0, h, rows):
-        r1 = min(h, r0 + rows)
-        a0, a1 = max(0, r0 - 1), min(h, r1 + 1)
+    for r0, r1, a0, a1 in split(h, piece, unit=b * w * c, halo=1):
         u = gelu_(fc1(xm[:, a0:a1].reshape(b, (a1 - a0) * w, c)))
         y = tokens_conv(dwc, u, (a1 - a0, w)).add_(u)
         y = y.view(b, a1 - a0, w, -1)[:, r0 - a0:r1 - a0]

@@ -9,6 +9,7 @@
 import torch
 import torch.nn.functional as F
 
+from ..split import split
 from ..tokens import map_to_tokens, tokens_to_map
 from .pieces import linear_into as _linear_into
 
@@ -18,41 +19,40 @@ class NormMlpFunction(torch.autograd.Function):
     output h (..., rC) for backward. Backward recomputes LN(x) and GELU(h), and writes the GELU gradient
     into the recomputed GELU buffer once fc2's weight gradient has used it.
 
-    `rows` (None: all) is the number of tokens per piece: forward and backward run piece by piece, so the
-    LayerNorm output, the GELU output and the hidden gradients are (rows, rC) temporaries that stay in cache
+    `piece` (None: whole) is the elements of x per piece (`ops.split`): forward and backward run piece by
+    piece of tokens, so the LayerNorm output, the GELU output and the hidden gradients are piece-sized
+    temporaries that stay in cache
     instead of fresh map-sized tensors (the memory policy's training pieces, `memory.MemoryPolicy`); only h,
     the output and the input gradient are whole maps. The parameter gradients are then sums of the pieces'
     (another summation order, ~1e-7 relative in float32); the output and the input gradient are per token."""
 
     @staticmethod
-    def forward(ctx, x, ln_w, ln_b, eps, w1, b1, w2, b2, rows=None):
+    def forward(ctx, x, ln_w, ln_b, eps, w1, b1, w2, b2, piece=None):
         c = x.shape[-1]
         x2 = x.reshape(-1, c)
         m = x2.shape[0]
-        rows = m if rows is None else max(1, min(rows, m))
+        pieces = [slice(p.start, p.stop) for p in split(m, piece, unit=c)]
         h, y = x2.new_empty(m, w1.shape[0]), x2.new_empty(m, w2.shape[0])
         mean, rstd = x2.new_empty(m, 1), x2.new_empty(m, 1)
-        for r0 in range(0, m, rows):
-            r = slice(r0, r0 + rows)
+        for r in pieces:
             xn, mean[r], rstd[r] = torch.native_layer_norm(x2[r], (c,), ln_w, ln_b, eps)
             _linear_into(h[r], xn, w1, b1)
             _linear_into(y[r], F.gelu(h[r]), w2, b2)
-        ctx.eps, ctx.rows = eps, rows
+        ctx.eps, ctx.pieces = eps, pieces
         ctx.save_for_backward(x, mean, rstd, ln_w, ln_b, h, w1, w2, b1, b2)
         return y.view(*x.shape[:-1], w2.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
         x, mean, rstd, ln_w, ln_b, h, w1, w2, b1, b2 = ctx.saved_tensors
-        c, rows = x.shape[-1], ctx.rows
+        c = x.shape[-1]
         x2, g = x.reshape(-1, c), grad.reshape(-1, grad.shape[-1])
         need = ctx.needs_input_grad
         dx = torch.empty_like(x2) if need[0] else None
         grads = [torch.zeros_like(t) if t is not None and n else None
                  for t, n in zip((ln_w, ln_b, w1, b1, w2, b2), need[1:3] + need[4:8])]
         dln_w, dln_b, dw1, db1, dw2, db2 = grads
-        for r0 in range(0, x2.shape[0], rows):
-            r = slice(r0, r0 + rows)
+        for r in ctx.pieces:
             xr, gr, hr = x2[r], g[r], h[r]
             xn = torch.native_layer_norm(xr, (c,), ln_w, ln_b, ctx.eps)[0]
             a = F.gelu(hr)
@@ -122,8 +122,8 @@ class ConvMlpFunction(torch.autograd.Function):
 
 
 class ConvMlpPiecesFunction(torch.autograd.Function):
-    """`ConvMlpFunction` with `keep_fc1`, piece by piece of `rows` map rows (the memory policy's training
-    pieces on the policy's devices, as `ops.dispatch.choose` picks them): fc1 runs on the whole map (its output h is
+    """`ConvMlpFunction` with `keep_fc1`, piece by piece of map rows of about `piece` elements of x (the memory
+    policy's training pieces on the policy's devices, as `ops.dispatch.choose` picks them): fc1 runs on the whole map (its output h is
     kept), everything after it per piece with one halo row above and below for the 3x3 conv, so GELU(h), the
     conv output, the second GELU and, in backward, their gradients are piece-sized temporaries in cache.
     Backward collects d(GELU1 output) over the pieces in one (B, H, W, rC) buffer (a piece's conv gradient
@@ -131,17 +131,18 @@ class ConvMlpPiecesFunction(torch.autograd.Function):
     `ConvMlpFunction` up to rounding; the conv and fc2 parameter gradients are sums over the pieces."""
 
     @staticmethod
-    def forward(ctx, x, hw_shape, rows, w1, b1, wc, bc, w2, b2):
+    def forward(ctx, x, hw_shape, piece, w1, b1, wc, bc, w2, b2):
         b, n, c = x.shape
         hh, ww = hw_shape
         h = F.linear(x, w1, b1)
         hm = h.view(b, hh, ww, -1)
         y = x.new_empty(b, hh, ww, w2.shape[0])
         wcl = wc.to(memory_format=torch.channels_last)
-        for r0, r1, a0, a1 in _row_pieces(hh, rows):
+        pieces = split(hh, piece, unit=b * ww * c, halo=1)
+        for r0, r1, a0, a1 in pieces:
             u = F.gelu(hm[:, a0:a1])
             y[:, r0:r1] = F.linear(F.gelu(_piece_conv_residual(u, r0 - a0, r1 - a0, wcl, bc)), w2, b2)
-        ctx.hw_shape, ctx.rows = hw_shape, rows
+        ctx.hw_shape, ctx.pieces = hw_shape, pieces
         ctx.save_for_backward(x, h, w1, b1, wc, bc, w2, b2)
         return y.view(b, n, -1)
 
@@ -159,7 +160,7 @@ class ConvMlpPiecesFunction(torch.autograd.Function):
         dwc = torch.zeros_like(wc) if need[5] else None
         dbc = torch.zeros_like(bc) if bc is not None and need[6] else None
         wcl = wc.to(memory_format=torch.channels_last)
-        for r0, r1, a0, a1 in _row_pieces(hh, ctx.rows):
+        for r0, r1, a0, a1 in ctx.pieces:
             u = F.gelu(hm[:, a0:a1])
             s = _piece_conv_residual(u, r0 - a0, r1 - a0, wcl, bc)
             a = F.gelu(s).view(-1, r)
@@ -186,14 +187,6 @@ class ConvMlpPiecesFunction(torch.autograd.Function):
         db1 = dh.sum(0) if b1 is not None and need[4] else None
         dx = (dh @ w1).view_as(x) if need[0] else None
         return dx, None, None, dw1, db1, dwc, dbc, dw2, db2
-
-
-def _row_pieces(h, rows):
-    """(r0, r1, a0, a1) per piece of `rows` map rows: the piece's rows [r0, r1) and, with one halo row on
-    each side where there is one, the rows [a0, a1) its 3x3 conv reads."""
-    for r0 in range(0, h, rows):
-        r1 = min(h, r0 + rows)
-        yield r0, r1, max(0, r0 - 1), min(h, r1 + 1)
 
 
 def _piece_conv_residual(u, i0, i1, wcl, bc):
