@@ -17,7 +17,6 @@ from mmplugin_l2 import HViT3, L2ViT, ResT, ViT3
 from mmplugin_l2.models.layers import (CPE, LCM, PA, Conv2dCL, ConvDownsample, ConvMlp, ConvStem, ConvStem2L,
                                       L2ViTStem, MemoryPolicy, Mlp, ResTPatchEmbed, ResTStem, set_memory_policy)
 from mmplugin_l2.models.ops import INFERENCE, INFERENCE_ONLY, TRAIN, Path, choose, dispatch
-from mmplugin_l2.models.ops.conv import batch_norm_updates
 
 
 class RecordingPolicy(MemoryPolicy):
@@ -108,16 +107,20 @@ def test_conv_chains_in_row_bands(cls, args, shape, max_elems):
     close(*paths(m, (x,), max_elems, expect_pieces=whole > 2 * max_elems))
 
 
-def test_conv_chains_use_bands_only_when_safe():
-    """No bands while a BatchNorm would update its running statistics, nor in train mode under no_grad."""
-    stem = ConvStem(3, 16)
-    assert batch_norm_updates(stem.conv.train())
-    assert not batch_norm_updates(stem.conv.eval())
+def test_conv_chains_use_pieces_only_when_safe():
+    """No pieces while a BatchNorm of the chain is in train mode (inside an eval model: it normalises with the
+    batch's statistics), nor in train mode under no_grad; pieces once every norm is in eval mode."""
+    stem, x = ConvStem(3, 16), torch.randn(2, 3, 32, 32)
     policy = RecordingPolicy(1)
     set_memory_policy(stem, policy)
     with torch.no_grad(), _recording_choose(policy):
-        stem.train()(torch.randn(2, 3, 32, 32))
+        stem.train()(x)
+        stem.eval().conv[1].norm.train()
+        stem(x)
     assert not policy.used
+    with torch.no_grad(), _recording_choose(policy):
+        stem.eval()(x)
+    assert policy.used
 
 
 class _PreNorm(nn.Module):
@@ -334,7 +337,7 @@ def test_batchnorm_train_pass_on_channels_last_maps_is_accurate(affine, momentum
 def test_batchnorm_channels_last_function_gradcheck():
     """`BatchNormCLFunction`'s closed-form backward against finite differences (float64, a channels-last map
     of B*H*W = 2*3*5 rows and 4 channels; weight and bias too)."""
-    from mmplugin_l2.models.layers.conv import BatchNormCLFunction
+    from mmplugin_l2.models.ops.conv import BatchNormCLFunction
     torch.manual_seed(0)
     x = torch.randn(2, 4, 3, 5, dtype=torch.float64).contiguous(memory_format=torch.channels_last).requires_grad_()
     w = torch.rand(4, dtype=torch.float64).add_(0.5).requires_grad_()

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 
 import mmplugin_l2.models.ops.conv as conv_op
 from mmplugin_l2.models.layers import LCM, Conv2dCL, ConvLayer, ConvStem
-from mmplugin_l2.models.ops import INFERENCE, Path
-from mmplugin_l2.models.ops.conv import ConvBNAct, conv_chain, conv_chain_in_pieces, conv_chain_reference
+from mmplugin_l2.models.ops import INFERENCE, Path, choose
+from mmplugin_l2.models.ops.conv import (CONV_CHAIN, ConvBNAct, chain_modules, conv_chain, conv_chain_in_pieces,
+                                         conv_chain_reference)
 from mmplugin_l2.models.ops.export import export_mode
 from mmplugin_l2.models.ops.memory import MemoryPolicy
 from mmplugin_l2.models.ops.conv.naive import conv_chain_naive, lcm_naive
@@ -111,7 +112,11 @@ def test_chain_with_train_mode_batch_norm_takes_the_reference():
         ref = conv_chain_reference(layers, x)
         expected = {k: v.clone() for k, v in bn.state_dict().items()}
         bn.load_state_dict(state)
-        out = conv_chain(Path(INFERENCE, 8), layers, x)
+        owner = nn.Module().eval()      # the eval model that holds the chain
+        owner.memory_policy = MemoryPolicy(max_elems=8)
+        path = choose(owner, x, x[:, :1].numel() * 16, CONV_CHAIN, modules=chain_modules(layers))
+        assert path == Path.reference()
+        out = conv_chain(path, layers, x)
         bn.eval()
         running = conv_chain_reference(layers, x)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)

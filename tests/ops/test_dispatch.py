@@ -78,6 +78,12 @@ def test_declared_support_decides_and_checkpoint_is_the_fallback():
     with torch.no_grad():
         assert choose(m, x, 16, norms, modules=(bn.eval(),)) == (INFERENCE, 4)
         assert choose(m, x, 16, norms, modules=(bn.train(),)) == (REFERENCE, None)
+        cpu_fp32_cl = Supports(inference=Fast(devices=('cpu',), dtypes=(torch.float32,), channels_last=True))
+        cl = torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last)
+        assert choose(m, cl, 16, cpu_fp32_cl) == (INFERENCE, 4)
+        assert choose(m, cl.contiguous(), 16, cpu_fp32_cl) == (REFERENCE, None)
+        assert choose(m, cl.double(), 16, cpu_fp32_cl) == (REFERENCE, None)
+        assert choose(m, cl, 16, cpu_fp32_cl._replace(inference=Fast(devices=('cuda',)))) == (REFERENCE, None)
         pieces_only = Supports(inference=Fast(pieces_only=True))
         assert choose(m, x, 16, pieces_only) == (INFERENCE, 4)
         assert choose(m, x, 8, pieces_only) == (REFERENCE, None)

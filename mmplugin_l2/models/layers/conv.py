@@ -8,7 +8,10 @@ Input and output are (B, C, H, W) tensors.
 import torch
 import torch.nn as nn
 
+from ..ops import TRAIN, choose
+from ..ops.conv import BATCH_NORM, BatchNormCLFunction  # noqa: F401 (BatchNormCLFunction: re-exported)
 from ..ops.export import exporting
+from ..ops.memory import DEFAULT_POLICY
 
 
 class Conv2dCL(nn.Conv2d):
@@ -31,86 +34,6 @@ def _channels_last(x):
     return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
 
 
-def _row_blocks(*mats):
-    """Blocks of ~1M elements of rows of (M, C) matrices, zipped (a block is read from memory once and then
-    worked on in cache)."""
-    rows = max(1, (1 << 20) // mats[0].shape[1])
-    return zip(*(m.split(rows) for m in mats))
-
-
-def _mean_var(rows):
-    """Column mean and biased variance of an (M, C) matrix in one pass over memory: per block of rows its
-    sum and centred sum of squares (torch's cascade sums), combined exactly (Chan et al.):
-    M2 = sum_b M2_b + sum_b n_b (mean_b - mean)^2."""
-    sums, m2, counts = [], None, []
-    for (r,) in _row_blocks(rows):
-        s = r.sum(0)
-        part = (r - s / r.shape[0]).square_().sum(0)
-        m2 = part if m2 is None else m2.add_(part)
-        sums.append(s)
-        counts.append(r.shape[0])
-    sums = torch.stack(sums)
-    n = sums.new_tensor(counts).unsqueeze(1)
-    mean = sums.sum(0) / rows.shape[0]
-    m2.add_(((sums / n - mean).square_() * n).sum(0))
-    return mean, m2.div_(rows.shape[0])
-
-
-class BatchNormCLFunction(torch.autograd.Function):
-    """Train-mode batch normalisation of a channels-last fp32 map with accurate batch statistics.
-
-    x (B, C, H, W), channels-last in memory, is a contiguous (M = B*H*W, C) matrix of rows. The statistics
-    are column sums of it, block by block of rows (`_mean_var`: the mean and the biased variance, each
-    block centred on its own mean). torch 2.14's CPU BatchNorm kernel accumulates channels-last maps row by
-    row in float32 instead: its forward error grows with M (rel. 5e-6 at a detection-sized stage-1 map,
-    against 7e-8 for the same map in NCHW). Through a ReLU that follows, such errors flip activations near
-    zero, and they decide how far fp32 training gradients are from float64.
-
-    forward(x, weight, bias, eps) -> (y, mean, var): y = (x - mean) / sqrt(var + eps) * weight + bias like
-    x (channels-last); mean and the biased variance (C,) for the running statistics.
-    backward: dx = (dy - mean(dy) - x_hat * mean(dy * x_hat)) * weight / std, dweight = sum(dy * x_hat),
-    dbias = sum(dy), with sums over M and x_hat recomputed from the saved input (as torch's kernel: input,
-    mean and 1/std are what it keeps). Both passes read x (and dy) from memory as often as torch's kernel.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps):
-        c = x.shape[1]
-        rows = x.permute(0, 2, 3, 1).reshape(-1, c)          # a view: x is channels-last
-        mean, var = _mean_var(rows)
-        inv_std = (var + eps).rsqrt_()
-        scale = inv_std if weight is None else inv_std * weight
-        shift = -mean * scale if bias is None else bias - mean * scale
-        y = torch.empty_like(x, memory_format=torch.channels_last)      # not a view: ReLU may run in place
-        torch.addcmul(shift, rows, scale, out=y.permute(0, 2, 3, 1).view(-1, c))
-        ctx.save_for_backward(x, weight, mean, inv_std)
-        ctx.affine = weight is not None, bias is not None
-        ctx.mark_non_differentiable(mean, var)
-        return y, mean, var
-
-    @staticmethod
-    def backward(ctx, dy, _dmean, _dvar):
-        x, weight, mean, inv_std = ctx.saved_tensors
-        c = x.shape[1]
-        rows = x.permute(0, 2, 3, 1).reshape(-1, c)
-        dy = dy.contiguous(memory_format=torch.channels_last)
-        grads = dy.permute(0, 2, 3, 1).reshape(-1, c)
-        m = rows.shape[0]
-        sum_dy, sum_dy_xc = torch.zeros_like(mean), torch.zeros_like(mean)
-        for g, r in _row_blocks(grads, rows):
-            sum_dy.add_(g.sum(0))
-            sum_dy_xc.add_((r - mean).mul_(g).sum(0))
-        sum_dy_xhat = sum_dy_xc.mul_(inv_std)
-        scale = inv_std if weight is None else inv_std * weight
-        # dx = scale * (dy - sum_dy / m) + a * (x - mean), a = -scale * inv_std * sum_dy_xhat / m
-        a = scale * inv_std * sum_dy_xhat / -m
-        shift = -a * mean - scale * sum_dy / m
-        dx = torch.empty_like(dy)
-        for d, g, r in _row_blocks(dx.permute(0, 2, 3, 1).view(-1, c), grads, rows):
-            torch.addcmul(shift, r, a, out=d).addcmul_(g, scale)
-        return (dx, sum_dy_xhat if ctx.affine[0] else None, sum_dy if ctx.affine[1] else None, None)
-
-
 class BatchNorm2d(nn.BatchNorm2d):
     """nn.BatchNorm2d with correct and accurate CPU training passes in every memory layout.
 
@@ -127,22 +50,27 @@ class BatchNorm2d(nn.BatchNorm2d):
     forward values as nn.BatchNorm2d; eval mode and exports are torch's kernel unchanged.
     """
 
+    #: the accurate training pass is this layer's fast training path (`ops.conv.BATCH_NORM`)
+    fast_train = True
+    #: pieces of rows of the (B*H*W, C) map for the accurate pass's sums
+    memory_policy = DEFAULT_POLICY
+
     def forward(self, x):
-        if (self.training and x.device.type == 'cpu' and x.dtype == torch.float32 and _channels_last(x)
-                and (self.weight is None or self.weight.dtype == torch.float32) and not exporting()):
-            return self._accurate_train_forward(x)
+        path = choose(self, x, x.numel(), BATCH_NORM)
+        if path.impl == TRAIN:
+            return self._accurate_train_forward(x, path.piece)
         y = super().forward(x)
         if y.requires_grad and x.device.type == 'cpu' and not exporting():
             fmt = torch.channels_last if _channels_last(x) else torch.contiguous_format
             y.register_hook(lambda g: g if g.is_contiguous(memory_format=fmt) else g.contiguous(memory_format=fmt))
         return y
 
-    def _accurate_train_forward(self, x):
+    def _accurate_train_forward(self, x, piece):
         self._check_input_dim(x)
         if x.shape[0] * x.shape[2] * x.shape[3] < 2:
             # torch's own message for one value per channel
             return super().forward(x)
-        y, mean, var = BatchNormCLFunction.apply(x, self.weight, self.bias, self.eps)
+        y, mean, var = BatchNormCLFunction.apply(x, self.weight, self.bias, self.eps, piece)
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)

@@ -6,7 +6,7 @@ restored by two depth-wise convolutions on the token map.
 Tokens (B, N, C) of an (H, W) map in, (B, N, C) out. The maths: `ops/conv/naive.py` (`lcm_naive`, the paper's
 Eqs. 6-7). No internal residual: the block adds it
 (x = x + LCM(LN(x))). The chain is the op `ops.conv.conv_chain`: at inference on large maps, the pre-norm
-included, in bands of rows (halo rows recomputed; same values) as `ops.dispatch.choose` says: neither the
+included, in pieces of rows (halo rows recomputed; same values) as `ops.dispatch.choose` says: neither the
 LayerNorm output nor the three intermediate maps are built whole.
 """
 import torch.nn as nn
@@ -14,8 +14,8 @@ import torch.nn as nn
 from functools import partial
 
 from .conv import BatchNorm2d, Conv2dCL
-from ..ops import INFERENCE, INFERENCE_ONLY, choose
-from ..ops.conv import ConvBNAct, conv_chain
+from ..ops import INFERENCE, choose
+from ..ops.conv import CONV_CHAIN, ConvBNAct, conv_chain
 from ..ops.memory import DEFAULT_POLICY
 from .mlp import gelu
 from ..ops.tokens import map_to_tokens, tokens_to_map
@@ -35,18 +35,18 @@ class LCM(nn.Module):
         self.bn = BatchNorm2d(dim)
         self.conv2 = Conv2dCL(dim, dim, kernel_size, padding=pad, groups=dim)
 
-    #: inference on large maps in bands of rows (the piece: rows x width x channels of the map)
+    #: inference on large maps in pieces of rows (the piece: rows x width x channels of the map)
     memory_policy = DEFAULT_POLICY
 
     def forward(self, x, hw_shape, norm=None):
         """x (B, N, C) tokens of an (H, W) map -> (B, N, C); with `norm`, LCM(norm(x))."""
-        path = choose(self, x, x.numel(), INFERENCE_ONLY)
+        path = choose(self, x, x.numel(), CONV_CHAIN, modules=(self.bn,))
         # channels-last on the token map throughout (Conv2dCL kernels, no NCHW copies)
         act = partial(gelu, inplace=path.impl == INFERENCE)
         layers = (ConvBNAct(self.conv1, self.bn, act, act_first=True), ConvBNAct(self.conv2))
         pre = None
         if norm is not None and path.impl == INFERENCE and path.piece is not None:
-            pre = partial(_norm_map, norm)      # band by band of rows, inside the op
+            pre = partial(_norm_map, norm)      # piece by piece of rows, inside the op
         elif norm is not None:
             x = norm(x)                         # on the tokens (B, N, C), as the block would
         return map_to_tokens(conv_chain(path, layers, tokens_to_map(x, hw_shape), pre))

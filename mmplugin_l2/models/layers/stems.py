@@ -9,7 +9,7 @@ says tokens.
 
 The H-ViT3 and L2ViT convolution chains are the op `ops.conv.conv_chain` (the maths: `ops/conv/naive.py`,
 `conv_chain_naive`: F.conv2d and the BN formula): at inference on large images in
-bands of rows (same values), as `ops.dispatch.choose` and the memory policy say (the piece: a band of the
+pieces of rows (same values), as `ops.dispatch.choose` and the memory policy say (the piece: rows of the
 chain's widest intermediate).
 """
 import torch
@@ -17,8 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .conv import BatchNorm2d, ConvLayer
-from ..ops import INFERENCE_ONLY, choose
-from ..ops.conv import ConvBNAct, conv_chain
+from ..ops import choose
+from ..ops.conv import CONV_CHAIN, ConvBNAct, chain_modules, conv_chain
 from ..ops.export import exporting
 from ..ops.memory import DEFAULT_POLICY
 from .pa import PA
@@ -28,7 +28,8 @@ from ..ops.tokens import compiled_map, map_to_tokens, pad_to_multiple, padding_t
 def _conv_chain(module, layers, x):
     """The conv layers `layers` (ConvLayer / ConvBNAct) of `module` on the map x (B, C, H, W), the path
     chosen for (input pixels x the last layer's channels) elements."""
-    path = choose(module, x, x[:, :1].numel() * layers[-1].conv.out_channels, INFERENCE_ONLY)
+    path = choose(module, x, x[:, :1].numel() * layers[-1].conv.out_channels, CONV_CHAIN,
+                  modules=chain_modules(layers))
     return conv_chain(path, layers, x)
 
 

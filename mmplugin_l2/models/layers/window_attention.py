@@ -27,11 +27,11 @@ chosen once per forward by `ops.dispatch.choose`.
 """
 import torch.nn as nn
 
-from ..ops import INFERENCE_ONLY, choose
+from ..ops import choose
 from ..ops.export import exporting
 from ..ops.memory import DEFAULT_POLICY
-from ..ops.window_attention import (padding_key_mask, sdpa_in_slices, window_attention, window_partition,
-                                    window_reverse)
+from ..ops.window_attention import (WINDOW_ATTENTION, padding_key_mask, sdpa_in_slices, window_attention,
+                                    window_partition, window_reverse)
 from ..ops.tokens import padding_to_multiple
 
 __all__ = ['WindowAttention', 'padding_key_mask', 'window_partition', 'window_reverse']
@@ -52,7 +52,7 @@ class WindowAttention(nn.Module):
     attention(norm(x)).
     """
 
-    #: pieces of padded tokens x channels (the batch included) at inference: bands of window rows
+    #: pieces of padded tokens x channels (the batch included) at inference: pieces of window rows
     memory_policy = DEFAULT_POLICY
 
     def __init__(self, dim, num_heads, window_size=7, qkv_bias=True, mask_padding=False):
@@ -85,5 +85,5 @@ class WindowAttention(nn.Module):
         key_mask = None
         if self.mask_padding and (exporting() or (hp, wp) != (h, w)):
             key_mask = padding_key_mask((h, w), (hp, wp), ws, x.device).repeat(b, 1)
-        path = choose(self, x, b * hp * wp * c, INFERENCE_ONLY)
+        path = choose(self, x, b * hp * wp * c, WINDOW_ATTENTION)
         return window_attention(path, x, hw_shape, ws, self.attention, key_mask, norm)

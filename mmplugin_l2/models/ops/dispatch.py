@@ -49,6 +49,8 @@ class Fast(NamedTuple):
     modules. train_norm: a BatchNorm in train mode among them. act: a predicate every activation of the op
     must satisfy (None: any). pieces_only: the path exists only in pieces (whole maps take the reference).
     input_grad: the path needs the input to require a gradient (train paths whose backward is written for it).
+    devices, dtypes: the device types and dtypes of the input the path runs on (None: any). channels_last: the
+    path needs a channels-last (B, C, H, W) input.
     """
     half: bool = True
     autocast: bool = True
@@ -57,6 +59,9 @@ class Fast(NamedTuple):
     act: Optional[Callable] = None
     pieces_only: bool = False
     input_grad: bool = False
+    devices: Optional[tuple] = None
+    dtypes: Optional[tuple] = None
+    channels_last: bool = False
 
 
 class Supports(NamedTuple):
@@ -99,9 +104,9 @@ def _norm_updates(modules):
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in modules)
 
 
-def _takes(fast, x, piece, modules, acts):
-    """Whether the fast path `fast` runs on input `x` with `piece`, the op's `modules` and `acts`."""
-    if fast is None or (fast.pieces_only and piece is None):
+def _takes(fast, x, modules, acts):
+    """Whether the fast path `fast` runs on input `x` with the op's `modules` and `acts` (its piece aside)."""
+    if fast is None:
         return False
     if not fast.half and x.dtype in HALF_DTYPES:
         return False
@@ -113,7 +118,20 @@ def _takes(fast, x, piece, modules, acts):
         return False
     if fast.input_grad and not x.requires_grad:
         return False
+    if fast.devices is not None and x.device.type not in fast.devices:
+        return False
+    if fast.dtypes is not None and x.dtype not in fast.dtypes:
+        return False
+    if fast.channels_last and not (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
+                                   and not x.is_contiguous()):
+        return False
     return fast.act is None or all(fast.act(a) for a in acts)
+
+
+def _path(impl, fast, policy, x, whole_elems):
+    """Path(impl, piece) for a fast path that applies, or None where it exists only in pieces and gets none."""
+    piece = _policy_piece(policy, x, whole_elems)
+    return None if fast.pieces_only and piece is None else Path(impl, piece)
 
 
 def choose(module, x, whole_elems, supports=Supports(), *, modules=(), acts=(), policy=None):
@@ -139,12 +157,13 @@ def choose(module, x, whole_elems, supports=Supports(), *, modules=(), acts=(), 
     if policy is None:
         policy = getattr(module, 'memory_policy', None)
     if inference(module):
-        piece = _policy_piece(policy, x, whole_elems)
-        return Path(INFERENCE, piece) if _takes(supports.inference, x, piece, modules, acts) else Path.reference()
+        fast = supports.inference
+        path = _path(INFERENCE, fast, policy, x, whole_elems) if _takes(fast, x, modules, acts) else None
+        return path or Path.reference()
     if trains_fast(module):
-        piece = _policy_piece(policy, x, whole_elems)
-        if _takes(supports.train, x, piece, modules, acts):
-            return Path(TRAIN, piece)
-        if supports.checkpoint:
-            return Path(CHECKPOINT, None)
+        fast = supports.train
+        path = _path(TRAIN, fast, policy, x, whole_elems) if _takes(fast, x, modules, acts) else None
+        if path is None and supports.checkpoint:
+            path = Path(CHECKPOINT, None)
+        return path or Path.reference()
     return Path.reference()

@@ -78,7 +78,7 @@ def set_memory_policy(model, policy):
 @contextlib.contextmanager
 def whole_maps(model):
     """Inside the block every layer of `model` works on whole maps (the policy None); the policies are
-    restored on exit. For counting the model's operations (FLOPs) without the halo rows that row bands
+    restored on exit. For counting the model's operations (FLOPs) without the halo rows that pieces of rows
     recompute."""
     saved = [(m, m.memory_policy) for m in model.modules() if hasattr(m, 'memory_policy')]
     set_memory_policy(model, None)

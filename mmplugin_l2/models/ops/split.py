@@ -4,7 +4,7 @@ A piece holds about `piece` elements (the memory policy's `max_elems`, given by 
 in the op's unit (`ops/memory.py`): `unit` elements per index along the axis that is cut (per token, per
 row of queries, per output row of a convolution chain). `piece_length` is how many indices that makes,
 `split` the pieces themselves, with an optional halo of neighbouring indices that a piece reads but does not
-own (the rows a 3x3 convolution needs above and below its band).
+own (the rows a 3x3 convolution needs above and below its piece).
 """
 from typing import NamedTuple
 

@@ -1,33 +1,38 @@
 """Convolution-chain op (stems, downsamplings, LCM): `naive` (the maths: F.conv2d and the BN formula, L2ViT's
-LCM as its Eqs. 6-7; the tests' oracle), `reference` (the layers on the whole map), `pieces` (inference in bands
-of output rows, halo rows recomputed). `conv_chain` dispatches between the last two."""
-import torch.nn as nn
+LCM as its Eqs. 6-7; the tests' oracle), `reference` (the layers on the whole map), `pieces` (inference in pieces
+of output rows, halo rows recomputed). `conv_chain` runs the one the `Path` of `ops.dispatch.choose` names;
+`CONV_CHAIN` is what the pieces support. `batch_norm` holds BatchNorm2d's accurate CPU training pass
+(`BatchNormCLFunction`), `BATCH_NORM` what it supports."""
+import torch
 
-from ..dispatch import INFERENCE
+from ..dispatch import INFERENCE, Fast, Supports
+from .batch_norm import BatchNormCLFunction
 from .pieces import conv_chain_in_pieces
 from .reference import ConvBNAct, conv_chain_reference, conv_layer
 
-__all__ = ['ConvBNAct', 'batch_norm_updates', 'conv_chain', 'conv_chain_in_pieces', 'conv_chain_reference',
+__all__ = ['BATCH_NORM', 'BatchNormCLFunction', 'CONV_CHAIN', 'ConvBNAct', 'chain_modules', 'conv_chain', 'conv_chain_in_pieces', 'conv_chain_reference',
            'conv_layer']
 
 
-def batch_norm_updates(layers):
-    """True when a BatchNorm of the chain is in train mode (it would normalise with the batch's statistics
-    and update its running ones, which pieces cannot do)."""
-    for layer in layers:
-        for m in (layer.norm, layer.act):
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
-                return True
-    return False
+#: inference in pieces of rows, not while a BatchNorm of the chain is in train mode (a train-mode norm inside an
+#: eval model normalises with the batch's statistics and updates its running ones, which pieces cannot do)
+CONV_CHAIN = Supports(inference=Fast(train_norm=False), train=None)
+#: the accurate training pass: fp32 channels-last maps on CPU (elsewhere torch's kernel)
+BATCH_NORM = Supports(inference=None, train=Fast(devices=('cpu',), dtypes=(torch.float32,), channels_last=True))
+
+
+def chain_modules(layers):
+    """The norms and activations of the chain `layers`, for `choose(..., modules=)`."""
+    return tuple(m for layer in layers for m in (layer.norm, layer.act) if m is not None)
 
 
 def conv_chain(path, layers, x, pre=None):
     """The chain `layers` (conv -> norm -> act each) on pre(x).
 
     Args:
-        path (Path): from `ops.dispatch.choose` (piece unit: elements of the widest intermediate, the batch
-            included). 'inference' with a piece runs in bands of rows unless a BatchNorm of the chain is in
-            train mode (a train-mode norm inside an eval model); anything else the reference.
+        path (Path): from `ops.dispatch.choose` with `CONV_CHAIN` and `chain_modules(layers)` (piece unit:
+            elements of the widest intermediate, the batch included). 'inference' with a piece runs in pieces
+            of rows; anything else the reference.
         layers (Sequence): `ConvLayer`s (modules with `conv`, `norm`, `act`) or `ConvBNAct`s.
         x (Tensor): the map (B, C, H, W).
         pre (Callable | None): a per-pixel function of the map applied first. Default: None.
@@ -35,6 +40,6 @@ def conv_chain(path, layers, x, pre=None):
     Returns:
         Tensor: (B, C_out, H_out, W_out).
     """
-    if path.impl == INFERENCE and path.piece is not None and not batch_norm_updates(layers):
+    if path.impl == INFERENCE and path.piece is not None:
         return conv_chain_in_pieces(layers, x, path.piece, pre)
     return conv_chain_reference(layers, x, pre)

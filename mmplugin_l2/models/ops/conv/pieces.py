@@ -1,18 +1,19 @@
-"""The convolution-chain op at inference in pieces: bands of output rows.
+"""The convolution-chain op at inference in pieces: pieces of output rows.
 
 A stem or a convolutional downsampling on a large image builds several map-sized intermediates (the H-ViT3
 stem makes five full-resolution maps). Without autograd nothing needs them at once: `conv_chain_in_pieces`
-computes the final output a band of rows at a time. For each band the rows every layer needs (its receptive
-field, the halo) are worked out backwards from the band; each layer then convolves exactly those rows, with
+computes the final output a piece of rows at a time. For each piece the rows every layer needs (its receptive
+field, the halo) are worked out backwards from the piece; each layer then convolves exactly those rows, with
 zero rows added only where its input really ends (the vertical zero padding of that layer), so the result is
-the same as the whole-map chain (`reference.conv_chain_reference`). The band intermediates stay in cache.
+the same as the whole-map chain (`reference.conv_chain_reference`). The pieces' intermediates stay in cache.
 
-Input and output are (B, C, H, W) tensors; channels-last input gives channels-last output and bands, NCHW
+Input and output are (B, C, H, W) tensors; channels-last input gives channels-last output and pieces, NCHW
 gives NCHW. A BatchNorm of the chain must use its running statistics (`conv_chain` checks).
 """
 import torch
 import torch.nn.functional as F
 
+from ..split import split
 from .reference import norm_act
 
 
@@ -25,7 +26,7 @@ def _geometry(conv):
 
 
 def _layer_rows(layer, x, top, bottom):
-    """One layer on a band of input rows, `top` / `bottom` zero rows added first (channels-last pad); a conv
+    """One layer on a piece of input rows, `top` / `bottom` zero rows added first (channels-last pad); a conv
     with `kernel_channels_last` (`layers.conv.Conv2dCL`) gets its kernel channels-last."""
     conv = layer.conv
     if (top or bottom) and _channels_last(x):
@@ -40,14 +41,14 @@ def _layer_rows(layer, x, top, bottom):
 
 
 def conv_chain_in_pieces(layers, x, piece, pre=None):
-    """layers(pre(x)) band by band of output rows; the values of `conv_chain_reference`.
+    """layers(pre(x)) piece by piece of output rows; the values of `conv_chain_reference`.
 
     Args:
         layers (Sequence): `ConvLayer`s or `ConvBNAct`s (norms in eval mode).
         x (Tensor): the map (B, C, H, W).
-        piece (int): elements of the widest intermediate per band (the batch included); at least one row.
+        piece (int): elements of the widest intermediate per piece (the batch included); at least one row.
         pre (Callable | None): a per-pixel function of the map (e.g. a LayerNorm over the channels) applied
-            to each band of input rows before the first layer. Default: None.
+            to each piece of input rows before the first layer. Default: None.
 
     Returns:
         Tensor: (B, C_out, H_out, W_out), in x's memory format.
@@ -64,10 +65,8 @@ def conv_chain_in_pieces(layers, x, piece, pre=None):
     for i in range(len(layers) - 1, -1, -1):
         per_row = max(per_row, rows * widths[i + 1] * layers[i].conv.out_channels)
         rows *= layers[i].conv.stride[0]
-    band = max(1, piece // (per_row * x.shape[0]))
     out = None
-    for o0 in range(0, heights[-1], band):
-        o1 = min(heights[-1], o0 + band)
+    for o0, o1, _, _ in split(heights[-1], piece, unit=per_row * x.shape[0]):
         plan = []          # per layer, from the last: (first input row, end input row, top, bottom)
         r0, r1 = o0, o1
         for i in range(len(layers) - 1, -1, -1):

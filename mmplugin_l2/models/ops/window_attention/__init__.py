@@ -1,21 +1,26 @@
 """Window attention op (attention inside non-overlapping windows): `naive` (the maths: window by window, the
 explicit softmax; the tests' oracle), `reference` (whole map, padding and mask),
-`pieces` (inference in pieces of window rows). `window_attention` dispatches between them."""
-from ..dispatch import INFERENCE
+`pieces` (inference in pieces of window rows). `window_attention` runs the one the `Path` of
+`ops.dispatch.choose` names; `WINDOW_ATTENTION` is what the pieces support."""
+from ..dispatch import INFERENCE, Fast, Supports
 from .pieces import window_attention_in_pieces
 from .reference import (MAX_SDPA_BATCH_HEADS, padding_key_mask, sdpa_batch_slices, sdpa_in_slices,
                         window_attention_reference, window_partition, window_reverse)
 
-__all__ = ['MAX_SDPA_BATCH_HEADS', 'padding_key_mask', 'sdpa_batch_slices', 'sdpa_in_slices', 'window_attention',
+__all__ = ['MAX_SDPA_BATCH_HEADS', 'WINDOW_ATTENTION', 'padding_key_mask', 'sdpa_batch_slices', 'sdpa_in_slices', 'window_attention',
            'window_attention_in_pieces', 'window_attention_reference', 'window_partition', 'window_reverse']
+
+
+#: inference in pieces of window rows (whole maps: the reference); no train path
+WINDOW_ATTENTION = Supports(inference=Fast(pieces_only=True), train=None)
 
 
 def window_attention(path, x, hw_shape, window_size, attend, key_mask=None, norm=None):
     """`attend` inside the w x w windows of norm(x).
 
     Args:
-        path (Path): from `ops.dispatch.choose`: 'inference' with a piece runs in pieces of window rows,
-            anything else the reference on the whole map.
+        path (Path): from `ops.dispatch.choose` with `WINDOW_ATTENTION`: 'inference' runs in pieces of window
+            rows, anything else the reference on the whole map.
         x (Tensor): tokens (B, H*W, C) of an (H, W) map.
         hw_shape (tuple[int, int]): (H, W).
         window_size (int): w.
@@ -26,7 +31,7 @@ def window_attention(path, x, hw_shape, window_size, attend, key_mask=None, norm
     Returns:
         Tensor: (B, H*W, C).
     """
-    if path.impl == INFERENCE and path.piece is not None:
+    if path.impl == INFERENCE:
         return window_attention_in_pieces(x, hw_shape, window_size, attend, key_mask, path.piece, norm)
     if norm is not None:
         x = norm(x)

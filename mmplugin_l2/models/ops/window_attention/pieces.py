@@ -1,12 +1,13 @@
 """Window attention at inference in pieces of window rows (no autograd needed, none used).
 
-Each piece (a band of whole window rows across the map) is normalised and zero-padded to whole windows on its
+Each piece (whole window rows across the map) is normalised and zero-padded to whole windows on its
 own; the windows are independent, so the values are those of the whole map. Neither the norm's output nor the
 padded map is built whole.
 """
 import torch
 import torch.nn.functional as F
 
+from ..split import split
 from ..tokens import padding_to_multiple
 from .reference import window_partition, window_reverse
 
@@ -31,11 +32,9 @@ def window_attention_in_pieces(x, hw_shape, window_size, attend, key_mask, piece
     ws = window_size
     hp, wp = h + padding_to_multiple(h, ws), w + padding_to_multiple(w, ws)
     x = x.view(b, h, w, c)
-    rows = max(1, piece // (b * ws * wp * c)) * ws
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     per_row = wp // ws        # windows per window row (per sample)
-    for r0 in range(0, hp, rows):
-        r1 = min(hp, r0 + rows)
+    for r0, r1, _, _ in split(hp, piece, unit=b * wp * c, multiple=ws):
         e1 = min(h, r1)       # the piece's real rows (r0 < h: the padding is less than a window)
         rows_in = x[:, r0:e1] if norm is None else norm(x[:, r0:e1])
         if e1 < r1 or wp > w:
