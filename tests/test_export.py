@@ -13,7 +13,7 @@ from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST
 from mmplugin_l2 import HViT3, L2ViT, ResT, ViT3
 from mmplugin_l2.analysis import authors
 from mmplugin_l2.models.layers import set_memory_policy
-from mmplugin_l2.models.ops.export import eager_inference, export_mode, export_onnx, exporting
+from mmplugin_l2.models.ops.export import export_mode, export_onnx, exporting
 
 BUILD = {
     'hvit3': lambda: HViT3(arch=TINY_HVIT3, drop_path_rate=0.),
@@ -43,9 +43,8 @@ def rel(a, b):
 def test_export_mode_switch():
     assert not exporting()
     with torch.no_grad():
-        assert eager_inference()
         with export_mode():
-            assert exporting() and not eager_inference()
+            assert exporting()
             with export_mode():
                 assert exporting()
             assert exporting()

@@ -14,7 +14,7 @@ from mmplugin_l2.models.ops import INFERENCE, Path
 from mmplugin_l2.models.ops.export import export_mode
 from mmplugin_l2.models.ops.memory import MemoryPolicy, set_memory_policy
 from mmplugin_l2.models.ops.ttt import (TTTCore, dwconv_inner_grad, dwconv_per_sample, swiglu_inner_grads,
-                                        tap_sums, ttt_attention, ttt_core, ttt_core_fused, ttt_core_pieces)
+                                        tap_sums, ttt_attention, ttt_core, ttt_core_pieces)
 from mmplugin_l2.models.ops.ttt import naive
 from mmplugin_l2.models.ops.ttt.naive import ttt_core_naive
 from ops.harness import assert_matches, assert_matches_naive, record_calls
@@ -63,10 +63,10 @@ def test_reference_at_a_zero_inner_gradient():
 @pytest.mark.parametrize('with_rope', [True, False])
 @pytest.mark.parametrize('tokens', [1, 4, 35, None])      # 35 tokens: a partial last piece of 4
 def test_forward_without_autograd_matches_naive(with_rope, tokens):
-    """The train function's forward (`ttt_core_pieces`, whole map: `ttt_core_fused`) without autograd = the
+    """The train function's forward (`ttt_core_pieces`, whole map: one piece) without autograd = the
     naive form."""
     rot, b, c = _rot(8, with_rope), 2, 8
-    fast = ttt_core_fused if tokens is None else (
+    fast = ttt_core_pieces if tokens is None else (
         lambda *a: ttt_core_pieces(*a, piece=tokens * b * c))
     assert_matches_naive(_core(fast, rot, 2), _core(ttt_core_naive, rot, 2), _core_inputs(grad=False), grads=False)
 
@@ -197,10 +197,11 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
-def test_fast_paths_under_autocast(dtype):
-    """Under CPU autocast: the inference pieces and the train function (forward without autograd; backward by
-    autograd through the reference under the forward's autocast state) = the float32 reference to half
-    precision, values and the input's gradient."""
+def test_fast_paths_under_autocast(monkeypatch, dtype):
+    """Under CPU autocast: the inference pieces and the checkpoint path (`TTTCore`'s forward without autograd,
+    its backward by autograd through the reference under the forward's autocast state, not the closed form)
+    = the float32 reference to half precision, values and the input's gradient."""
+    calls = _Calls(monkeypatch)
     m = _layer(16, 2, max_elems=2 * 16 * 4, std=0.1).float()
     x = torch.randn(2, HW[0] * HW[1], 16)
     rot = rope_tables(*HW, 16)
@@ -220,6 +221,7 @@ def test_fast_paths_under_autocast(dtype):
         assert _rel(y, ref) < bound
         (g,) = torch.autograd.grad(y.float(), xg, dout)
     assert _rel(g, gref) < 2 * bound
+    assert calls.names == ['inference', 'train'] and calls[-1][1][-1] is False     # closed_form=False
 
 
 # ---------------------------------------------------------------- the layer's dispatch

@@ -18,8 +18,8 @@ from mmengine.model.weight_init import trunc_normal_
 
 from ..ops.dispatch import choose
 from ..ops.memory import DEFAULT_POLICY
-from ..ops.ttt import (TTTCore, dwconv_inner_grad, dwconv_per_sample, normalize_inner_grad, swiglu_inner_grads,
-                       tap_sums, ttt_attention, ttt_core)
+from ..ops.ttt import (TTT, TTTCore, dwconv_inner_grad, dwconv_per_sample, normalize_inner_grad,
+                       swiglu_inner_grads, tap_sums, ttt_attention, ttt_core)
 from ..ops.tokens import check_token_count
 
 __all__ = ['TTTAttention', 'TTTCore', 'dwconv_inner_grad', 'dwconv_per_sample', 'normalize_inner_grad',
@@ -70,7 +70,7 @@ class TTTAttention(nn.Module):
     def forward(self, x, hw_shape, rope=None):
         """x: (B, N, C); hw_shape: (H, W); rope: None or the table of `rope_tables` (N, C/2)."""
         check_token_count(x.shape[1], hw_shape)
-        path = choose(self, x, x.shape[0] * x.shape[1] * self.dim)
+        path = choose(self, x, x.shape[0] * x.shape[1] * self.dim, TTT)
         return ttt_attention(x, self.qkv, self.proj, rope, self.w1, self.w2, self.w3, tuple(hw_shape),
                              self.num_heads, self.scale, self.lr, path)
 

@@ -57,12 +57,6 @@ def stage_boundary():
         torch._dynamo.graph_break()
 
 
-def eager_inference():
-    """No autograd recorded and not exporting: a function (not a module) may use kernels that have no
-    autograd formula. Modules decide with `dispatch.inference(module)`, which also asks for eval mode."""
-    return not torch.is_grad_enabled() and not exporting()
-
-
 def _onnx_expm1(g, x):
     """aten::expm1 for the TorchScript ONNX exporter (ONNX has no Expm1): tanh(x/2) (exp(x) + 1), which equals
     exp(x) - 1 without its cancellation for small |x| (ResT's EMSA relies on that precision)."""

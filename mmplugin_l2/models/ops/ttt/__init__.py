@@ -1,16 +1,21 @@
 """The TTT layer's op (H-ViT3 / ViT3): `naive` (the maths: the paper's inner step by autograd; the tests' oracle),
-`reference` (the inner models on whole maps, plain autograd), `pieces`
-(inference in pieces of tokens, without autograd), `train` (`TTTCore`: closed-form backward, pieces of tokens).
-`ttt_attention` dispatches between them."""
-from ..dispatch import INFERENCE, TRAIN
-from .pieces import proj_input, ttt_core_fused, ttt_core_pieces, ttt_inference
+`step` (the inner step's formulas, shared by the rest), `reference` (the inner models on whole maps, plain
+autograd), `pieces` (inference in pieces of tokens, without autograd), `train` (`TTTCore`: closed-form backward,
+pieces of tokens). `ttt_attention` runs the one the `Path` of `ops.dispatch.choose` names; `TTT` declares what
+the fast paths support."""
+from ..dispatch import CHECKPOINT, INFERENCE, TRAIN, Fast, Supports
+from .pieces import proj_input, ttt_core_pieces, ttt_inference
 from .reference import (dwconv_inner_grad, dwconv_per_sample, normalize_inner_grad, swiglu_inner_grads, tap_sums,
                         ttt_core)
 from .train import TTTCore, ttt_core_backward
 
-__all__ = ['TTTCore', 'dwconv_inner_grad', 'dwconv_per_sample', 'normalize_inner_grad', 'swiglu_inner_grads',
-           'proj_input', 'tap_sums', 'ttt_attention', 'ttt_core', 'ttt_core_backward', 'ttt_core_fused',
-           'ttt_core_pieces', 'ttt_inference']
+__all__ = ['TTT', 'TTTCore', 'dwconv_inner_grad', 'dwconv_per_sample', 'normalize_inner_grad', 'swiglu_inner_grads',
+           'proj_input', 'tap_sums', 'ttt_attention', 'ttt_core', 'ttt_core_backward', 'ttt_core_pieces',
+           'ttt_inference']
+
+#: inference in pieces / in place, any dtype; the closed-form backward in fp32 / fp64 outside autocast, else
+#: the checkpoint path (`TTTCore` recomputing by autograd)
+TTT = Supports(inference=Fast(), train=Fast(half=False, autocast=False), checkpoint=True)
 
 
 def ttt_attention(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, path):
@@ -28,8 +33,9 @@ def ttt_attention(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr,
         num_heads (int): SwiGLU heads H.
         scale (float): the inner loss's scale.
         lr (float): the inner learning rate.
-        path (Path): from `ops.dispatch.choose` (pieces in elements of (B, tokens, C)): 'inference' runs
-            `ttt_inference` (qkv and proj inside, piece by piece), 'train' `TTTCore`, else the reference.
+        path (Path): from `ops.dispatch.choose` with `TTT` (pieces in elements of (B, tokens, C)): 'inference'
+            runs `ttt_inference` (qkv and proj inside, piece by piece), 'train' `TTTCore` with the closed-form
+            backward, 'checkpoint' `TTTCore` recomputing by autograd, else the reference.
 
     Returns:
         Tensor: (B, N, C).
@@ -37,5 +43,8 @@ def ttt_attention(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr,
     if path.impl == INFERENCE:
         return ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, path.piece)
     args = (qkv(x), rot, w1, w2, w3, hw_shape, num_heads, scale, lr)
-    y = TTTCore.apply(*args, path.piece) if path.impl == TRAIN else ttt_core(*args)
+    if path.impl in (TRAIN, CHECKPOINT):
+        y = TTTCore.apply(*args, path.piece, path.impl == TRAIN)
+    else:
+        y = ttt_core(*args)
     return proj(proj_input(y, proj))

@@ -1,5 +1,5 @@
 """The TTT core without autograd: the inference path (the whole layer, in pieces of tokens) and the forward
-of the train path (`train.TTTCore`, whole maps or pieces of tokens).
+of the train path (`train.TTTCore`, in pieces of tokens; one piece for a whole map).
 
 Same maths as `reference.ttt_core`, with kernels that have no autograd formula: the SwiGLU derivative as
 one fused kernel (`aten.silu_backward`), outputs written into their channels (`out=`), q1 and k1 rotated
@@ -10,10 +10,11 @@ fp32), then the updated model is applied piece by piece; the conv head runs on t
 import torch
 import torch.nn.functional as F
 
-from ..rope import apply_rope, rope_heads
 from ..dtypes import autocast_on
-from .reference import (conv_head, fast_weights, heads, normalized_swiglu_grad, split_qkv, swiglu_dz,
-                        swiglu_grad_pair, swiglu_readout, token_sum_matmul)
+from ..rope import rope_heads
+from ..split import split
+from .reference import conv_head, fast_weights, heads, swiglu_dz, swiglu_readout, token_sum_matmul
+from .step import loss_factor, update
 
 
 def proj_input(y, proj):
@@ -25,38 +26,12 @@ def proj_input(y, proj):
     return y.to(proj.weight.dtype)
 
 
-def _qkv_heads(q1, k1, v1, rot, num_heads):
-    """(B, N, C) q1, k1 (RoPE when `rot` is given) and v1 -> (B, H, N, d) heads; q1 and k1 written
-    contiguous, the layout their matrix products take without copying them first."""
-    if rot is not None:
-        return rope_heads(q1, rot, num_heads), rope_heads(k1, rot, num_heads), heads(v1, num_heads)
-    return tuple(heads(t, num_heads) for t in (q1, k1, v1))
-
-
-def ttt_core_fused(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
-    """`reference.ttt_core` on the whole map without autograd (the forward of `TTTCore`): qkv (B, N, 3C + 3d)
-    -> (B, N, C + d); the arguments are those of `reference.ttt_core`."""
-    b, n, _ = qkv.shape
-    h, w = hw_shape
-    d = w1.shape[-1]
-    c = num_heads * d
-    q1, k1, v1, q2, k2, v2 = split_qkv(qkv, num_heads, d)
-    q1, k1, v1 = _qkv_heads(q1, k1, v1, rot, num_heads)
-    w12 = fast_weights(torch.cat([w1, w2], dim=-1), k1)
-    w12 = w12 - (lr * swiglu_grad_pair(k1, v1, w12, scale, fused=True)).to(w12.dtype)
-    z = q1 @ w12
-    x2 = conv_head(*(t.unflatten(1, (h, w)) for t in (q2, k2, v2)), w3, scale, lr)
-    y = z.new_empty(b, n, c + d)       # both outputs written into their channels
-    swiglu_readout(z, out=heads(y[..., :c], num_heads))
-    y[..., c:] = x2
-    return y
-
-
-def ttt_pieces(cols, n, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, step, conv_tokens, target, emit):
-    """The TTT core without autograd over pieces of `step` tokens, two passes.
+def ttt_pieces(cols, n, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, pieces, conv_tokens, target, emit):
+    """The TTT core without autograd over `pieces` of tokens, two passes.
 
     Pass 1, piece by piece: `cols(i0, i1, 'kv')`, the piece's [k1 | v1 | q2 | k2 | v2] columns
-    (B, s, 2C + 3d), RoPE on k1, and k1^T [a1 | a2] of the SwiGLU inner gradient, summed over the pieces;
+    (B, s, 2C + 3d), RoPE on k1 (straight into contiguous heads, the layout their products take), and
+    k1^T [a1 | a2] of the SwiGLU inner gradient, summed over the pieces;
     the conv-head tokens [q2 | k2 | v2] (B, N, 3d) are `conv_tokens` or, when None, gathered from the pieces.
     Then the conv head (whole map, d channels). Pass 2, piece by piece: `cols(i0, i1, 'q')` (B, s, C), RoPE,
     the updated SwiGLU model and the conv-head output, written into `target(i0, i1, like)` (a (B, s, C + d)
@@ -73,7 +48,7 @@ def ttt_pieces(cols, n, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, step, c
         num_heads (int): H.
         scale (float): the inner loss's scale.
         lr (float): the inner learning rate.
-        step (int): tokens per piece.
+        pieces (list[Piece]): the pieces of tokens (`ops.split.split`).
         conv_tokens (Tensor | None): (B, N, 3d) conv-head tokens, or None to gather them.
         target (callable): (i0, i1, like) -> the (B, s, C + d) output view of a piece.
         emit (callable): (i0, i1, y) -> None, called with each finished piece.
@@ -82,35 +57,34 @@ def ttt_pieces(cols, n, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, step, c
     d = w1.shape[-1]
     c = num_heads * d
 
-    def rope(t, i):
-        return apply_rope(t, rot[i:i + step]) if rot is not None else t
+    def rope_heads_of(t, i0, i1):
+        return rope_heads(t, rot[i0:i1], num_heads) if rot is not None else heads(t, num_heads)
 
     w12 = torch.cat([w1, w2], dim=-1)
     g = None
     gather = conv_tokens is None
-    for i in range(0, n, step):
-        kv = cols(i, min(n, i + step), 'kv')
+    for i0, i1, _, _ in pieces:
+        kv = cols(i0, i1, 'kv')
         if gather:
             if conv_tokens is None:
                 conv_tokens = kv.new_empty(kv.shape[0], n, 3 * d)
-            conv_tokens[:, i:i + step] = kv[..., 2 * c:]
-        k1, v1 = heads(rope(kv[..., :c], i), num_heads), heads(kv[..., c:2 * c], num_heads)
-        if i == 0:
+            conv_tokens[:, i0:i1] = kv[..., 2 * c:]
+        k1, v1 = rope_heads_of(kv[..., :c], i0, i1), heads(kv[..., c:2 * c], num_heads)
+        if i0 == 0:
             w12 = fast_weights(w12, k1)
         part = token_sum_matmul(k1.transpose(-2, -1), swiglu_dz(k1 @ w12, v1, fused=True))
         g = part if g is None else g.add_(part)
-    w12 = w12 - (lr * normalized_swiglu_grad(g, n, scale)).to(w12.dtype)
+    w12 = update(w12, g * loss_factor(scale, n), lr, -2)
 
     x2 = conv_head(*conv_tokens.unflatten(1, (h, w)).split([d, d, d], dim=-1), w3, scale, lr)
     del conv_tokens
 
-    for i in range(0, n, step):
-        i1 = min(n, i + step)
-        z = heads(rope(cols(i, i1, 'q'), i), num_heads) @ w12
-        y = target(i, i1, z)
+    for i0, i1, _, _ in pieces:
+        z = rope_heads_of(cols(i0, i1, 'q'), i0, i1) @ w12
+        y = target(i0, i1, z)
         swiglu_readout(z, out=heads(y[..., :c], num_heads))
-        y[..., c:] = x2[:, i:i1]
-        emit(i, i1, y)
+        y[..., c:] = x2[:, i0:i1]
+        emit(i0, i1, y)
 
 
 def ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, piece=None):
@@ -138,7 +112,6 @@ def ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr,
     """
     b, n, _ = x.shape
     c = num_heads * w1.shape[-1]
-    step = n if piece is None else max(1, piece // (b * c))
     rows = {'q': slice(None, c), 'kv': slice(c, None)}
     out = []
 
@@ -151,14 +124,14 @@ def ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr,
             out.append(y.new_empty(b, n, y.shape[-1]))
         out[0][:, i0:i1] = y
 
-    ttt_pieces(cols, n, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, step, None,
+    ttt_pieces(cols, n, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, split(n, piece, unit=b * c), None,
                lambda i0, i1, z: z.new_empty(b, i1 - i0, c + w1.shape[-1]), emit)
     return out[0]
 
 
-def ttt_core_pieces(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, piece):
-    """`reference.ttt_core` without autograd in pieces of `piece` / (B C) tokens (`ttt_pieces`): the forward
-    of `TTTCore` in the memory policy's pieces. qkv (B, N, 3C + 3d) -> (B, N, C + d)."""
+def ttt_core_pieces(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, piece=None):
+    """`reference.ttt_core` without autograd in pieces of `piece` / (B C) tokens (`ttt_pieces`; None: one
+    piece): the forward of `TTTCore`. qkv (B, N, 3C + 3d) -> (B, N, C + d)."""
     b, n, _ = qkv.shape
     c = num_heads * w1.shape[-1]
     out = []
@@ -169,6 +142,6 @@ def ttt_core_pieces(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, piece)
         return out[0][:, i0:i1]
 
     ttt_pieces(lambda i0, i1, part: qkv[:, i0:i1, :c] if part == 'q' else qkv[:, i0:i1, c:], n, rot, w1, w2,
-               w3, hw_shape, num_heads, scale, lr, max(1, piece // (b * c)), qkv[..., 3 * c:], target,
+               w3, hw_shape, num_heads, scale, lr, split(n, piece, unit=b * c), qkv[..., 3 * c:], target,
                lambda *_: None)
     return out[0]

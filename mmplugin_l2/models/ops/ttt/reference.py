@@ -24,21 +24,13 @@ depth-wise conv and its kernel gradient are then nine shifted multiply-adds inst
 import torch
 import torch.nn.functional as F
 
-from ..rope import apply_rope
 from ..dtypes import HALF_DTYPES, autocast_off, autocasts_to
-from ..export import eager_inference, exporting
+from ..export import exporting
+from ..rope import apply_rope
+from .step import loss_factor, normalise, silu_grad, update
 
-
-def normalize_inner_grad(g, dim):
-    """The authors' gradient "clip": g / (||g||_2 over `dim` + 1)."""
-    return g / (g.norm(dim=dim, keepdim=True) + 1.0)
-
-
-def scaled_mean(t, scale, n):
-    """t * (-scale / n), the inner loss's factor; while exporting, n (a traced size) stays in the graph."""
-    if exporting():
-        return t * -scale / n
-    return t * (-scale / float(n))
+#: the authors' gradient "clip" g / (||g|| + 1) (`step.normalise`), under its public name
+normalize_inner_grad = normalise
 
 
 def heads(t, num_heads):
@@ -69,21 +61,14 @@ def swiglu_dz(z, v, fused):
     if fused:
         a2 = torch.ops.aten.silu_backward(v * z1, z2)
     else:
-        sig = torch.sigmoid(z2)
-        a2 = v * z1 * (sig * (1.0 + z2 * (1.0 - sig)))   # SiLU'(z2) = s (1 + z2 (1 - s))
+        a2 = v * z1 * silu_grad(z2, torch.sigmoid(z2))
     return torch.cat([v * F.silu(z2), a2], dim=-1)
 
 
-def normalized_swiglu_grad(kta, n, scale):
-    """k^T [a1 | a2] summed over n tokens (..., d, 2d) -> normalised [g1 | g2]; the norm over dim -2 is per
-    column, so both halves are normalised in one go."""
-    return normalize_inner_grad(scaled_mean(kta, scale, n), -2)
-
-
 def swiglu_grad_pair(k, v, w12, scale, fused=False):
-    """Normalised [g1 | g2] (B, H, d, 2d) of L = -(scale/N) sum((k W1) * SiLU(k W2) * v), w12 = [W1 | W2]."""
+    """[g1 | g2] (B, H, d, 2d) of L = -(scale/N) sum((k W1) * SiLU(k W2) * v), w12 = [W1 | W2], unnormalised."""
     a = swiglu_dz(k @ w12, v, fused)
-    return normalized_swiglu_grad(token_sum_matmul(k.transpose(-2, -1), a), k.shape[-2], scale)
+    return token_sum_matmul(k.transpose(-2, -1), a) * loss_factor(scale, k.shape[-2])
 
 
 def swiglu_readout(z, out=None):
@@ -92,7 +77,7 @@ def swiglu_readout(z, out=None):
     return torch.mul(z1, F.silu(z2), out=out)
 
 
-def swiglu_inner_grads(k, v, w1, w2, scale):
+def swiglu_inner_grads(k, v, w1, w2, scale, fused=False):
     """Closed-form gradients of L = -(scale/N) * sum(f(k) * v) with f(k) = (k W1) * SiLU(k W2).
 
     Args:
@@ -101,12 +86,14 @@ def swiglu_inner_grads(k, v, w1, w2, scale):
         w1 (Tensor): W1 (1 or B, H, d, d).
         w2 (Tensor): W2 (1 or B, H, d, d).
         scale (float): the inner loss's scale.
+        fused (bool): SiLU' as one kernel without an autograd formula (`aten.silu_backward`). Default: False.
 
     Returns:
-        tuple[Tensor, Tensor]: (g1, g2), (B, H, d, d) normalised gradients w.r.t. W1 and W2.
+        tuple[Tensor, Tensor]: (g1, g2), (B, H, d, d) normalised gradients w.r.t. W1 and W2 (the norm is per
+        column, so the two halves are normalised together).
     """
-    g = swiglu_grad_pair(k, v, torch.cat([w1, w2], dim=-1), scale, fused=eager_inference())
-    return g.chunk(2, dim=-1)
+    g = swiglu_grad_pair(k, v, torch.cat([w1, w2], dim=-1), scale, fused=fused)
+    return normalise(g, -2).chunk(2, dim=-1)
 
 
 def _tap(i):
@@ -175,9 +162,9 @@ def dwconv_per_sample(x, weight):
     return out.permute(0, 2, 3, 1).reshape(h * w, b, d).transpose(0, 1)
 
 
-def dwconv_inner_grad(k, v, scale):
+def conv_grad(k, v, scale):
     """Closed-form gradient of L = -(scale/(H W)) * sum_c sum_yx (w_c * k_c)(y, x) v_c(y, x) w.r.t. the
-    depth-wise 3x3 kernel w (zero padding 1, cross-correlation as F.conv2d), normalised.
+    depth-wise 3x3 kernel w (zero padding 1, cross-correlation as F.conv2d), before normalising.
 
     Args:
         k (Tensor): keys, (B, H, W, d) channels-last map (strided views are fine).
@@ -185,11 +172,16 @@ def dwconv_inner_grad(k, v, scale):
         scale (float): the inner loss's scale.
 
     Returns:
-        Tensor: (B*d, 1, 3, 3) normalised gradient (per sample and channel); fp32 for fp16 / bf16 maps.
+        Tensor: (B, d, 9) per sample and channel, taps in row-major 3x3 order; fp32 for fp16 / bf16 maps.
     """
     h, w = k.shape[1:3]
-    g = scaled_mean(tap_sums(k, v), scale, h * w)
-    return normalize_inner_grad(g.reshape(-1, 1, 3, 3), (-2, -1))
+    return tap_sums(k, v) * loss_factor(scale, h * w)
+
+
+def dwconv_inner_grad(k, v, scale):
+    """`conv_grad` normalised per sample and channel, as a (B*d, 1, 3, 3) kernel (the arguments of
+    `conv_grad`)."""
+    return normalise(conv_grad(k, v, scale).reshape(-1, 1, 3, 3), (-2, -1))
 
 
 def conv_head(q2, k2, v2, w3, scale, lr):
@@ -207,7 +199,7 @@ def conv_head(q2, k2, v2, w3, scale, lr):
         Tensor: (B, H*W, d) tokens.
     """
     d = q2.shape[-1]
-    w = w3.reshape(1, d, 9) - lr * dwconv_inner_grad(k2, v2, scale).to(w3.dtype).reshape(-1, d, 9)
+    w = update(w3.reshape(1, d, 9), conv_grad(k2, v2, scale), lr, -1)
     return dwconv_per_sample(q2, w.reshape(-1, 1, 3, 3))
 
 
@@ -217,7 +209,7 @@ def split_qkv(qkv, num_heads, d):
     return qkv.split([c, c, c, d, d, d], dim=-1)
 
 
-def ttt_core(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
+def ttt_core(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, fused=False):
     """Both inner models, from the fused qkv tokens to the output projection's input.
 
     Args:
@@ -230,6 +222,7 @@ def ttt_core(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
         num_heads (int): SwiGLU heads H.
         scale (float): the inner loss's scale.
         lr (float): the inner learning rate.
+        fused (bool): SiLU' as one kernel without an autograd formula (nothing records autograd). Default: False.
 
     Returns:
         Tensor: (B, N, C + d) [SwiGLU heads | conv head].
@@ -242,7 +235,7 @@ def ttt_core(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
         q1, k1 = apply_rope(q1, rot), apply_rope(k1, rot)
     q1, k1, v1 = (heads(t, num_heads) for t in (q1, k1, v1))
     w12 = fast_weights(torch.cat([w1, w2], dim=-1), k1)
-    w12 = w12 - (lr * swiglu_grad_pair(k1, v1, w12, scale)).to(w12.dtype)
+    w12 = update(w12, swiglu_grad_pair(k1, v1, w12, scale, fused), lr, -2)
     y1 = swiglu_readout(q1 @ w12).transpose(1, 2).reshape(b, n, num_heads * d)
     y2 = conv_head(*(t.reshape(b, h, w, d) for t in (q2, k2, v2)), w3, scale, lr)
     return torch.cat([y1, y2.to(y1.dtype)], dim=-1)

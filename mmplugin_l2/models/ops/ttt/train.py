@@ -6,30 +6,19 @@ contiguous head layout their products take without copies), not autograd through
 
 With a piece size (the memory policy's, on its devices) the forward (`pieces.ttt_core_pieces`) and the
 SwiGLU part of the backward run in pieces of tokens; parameter gradients are then sums over the pieces.
+Where the closed form does not apply (half precision, autocast: `ops.ttt.TTT` declares it, `choose` decides)
+the dispatch gives the checkpoint path: the same forward, and a backward by autograd through the reference
+under the forward's autocast state.
 """
 import torch
 import torch.nn.functional as F
 
-from ..rope import rope_heads, rope_heads_backward
 from ..dtypes import autocast_off, autocast_on
-from .pieces import ttt_core_fused, ttt_core_pieces
-from .reference import heads, normalize_inner_grad, split_qkv, tap_sums, dwconv_per_sample, ttt_core
-
-
-def token_pieces(n, rows):
-    """[(start, end)] of consecutive pieces of `rows` tokens (None: one piece) covering n tokens."""
-    rows = n if rows is None else max(1, rows)
-    return [(i, min(n, i + rows)) for i in range(0, n, rows)]
-
-
-def _normalize_backward(gs, dgn, dim):
-    """dL/dgs of gn = gs / (||gs|| + 1) (norm over `dim`) from dgn = dL/dgn:
-    (dgn - gs <dgn, gs> / (||gs|| (||gs|| + 1))) / (||gs|| + 1), the projection term dropped where
-    ||gs|| = 0 (gs is zero there; autograd's norm subgradient is zero too)."""
-    nrm = gs.norm(dim=dim, keepdim=True)
-    den = nrm + 1.0
-    dot = (dgn * gs).sum(dim=dim, keepdim=True)
-    return (dgn - gs * (dot / (nrm.clamp_min(torch.finfo(gs.dtype).tiny) * den))) / den
+from ..rope import rope_heads, rope_heads_backward
+from ..split import split
+from .pieces import ttt_core_pieces
+from .reference import dwconv_per_sample, heads, split_qkv, tap_sums, ttt_core
+from .step import loss_factor, normalise_backward, update
 
 
 def _swiglu_terms(k, v, w12):
@@ -42,7 +31,7 @@ def _swiglu_terms(k, v, w12):
     s2 = torch.sigmoid(z2)
     silu2 = z2 * s2
     om = 1.0 - s2
-    dsilu2 = torch.addcmul(s2, silu2, om)                 # SiLU' = s + SiLU (1 - s)
+    dsilu2 = torch.addcmul(s2, silu2, om)                 # step.silu_grad: s + SiLU (1 - s)
     t = z1 * dsilu2
     a = torch.empty_like(z)
     torch.mul(v, silu2, out=a[..., :d])
@@ -70,16 +59,16 @@ def _swiglu_core_backward(dy, q, k, v, w12, scale, lr, dq_out, dk_out, dv_out, p
         dq_out (callable): (i0, i1, g) writes the gradient g of a piece of q.
         dk_out (callable): (i0, i1, g) writes the gradient g of a piece of k.
         dv_out (callable): (i0, i1) -> the (B, H, i1 - i0, d) view the gradient of that piece of v goes into.
-        pieces (list[tuple[int, int]]): `token_pieces`.
+        pieces (list[Piece]): the pieces of tokens (`ops.split.split`).
 
     Returns:
         Tensor: dW (B, H, d, 2d), to be summed over a broadcast batch.
     """
-    n = pieces[-1][1]
+    n = pieces[-1].stop
     d = w12.shape[-1] // 2
-    cst = -scale / float(n)
+    cst = loss_factor(scale, n)
     gs = kept = None
-    for i0, i1 in pieces:
+    for i0, i1, _, _ in pieces:
         kb, vb = k(i0, i1), v(i0, i1)
         terms = _swiglu_terms(kb, vb, w12)
         part = kb.transpose(-2, -1) @ terms[-1]
@@ -88,10 +77,10 @@ def _swiglu_core_backward(dy, q, k, v, w12, scale, lr, dq_out, dk_out, dv_out, p
             kept = kb, vb, terms
         del terms
     gs.mul_(cst)
-    w12n = w12 - lr * normalize_inner_grad(gs, -2)
+    w12n = update(w12, gs, lr, -2)
 
     dwn = None
-    for i0, i1 in pieces:
+    for i0, i1, _, _ in pieces:
         qb, dyb = q(i0, i1), dy(i0, i1)
         big_z = qb @ w12n                                 # readout with the updated weights
         dz_out = torch.empty_like(big_z)
@@ -101,9 +90,9 @@ def _swiglu_core_backward(dy, q, k, v, w12, scale, lr, dq_out, dk_out, dv_out, p
         dq_out(i0, i1, dz_out @ w12n.transpose(-2, -1))
         part = qb.transpose(-2, -1) @ dz_out
         dwn = part if dwn is None else dwn.add_(part)
-    dgs = _normalize_backward(gs, dwn * -lr, -2) * cst    # dL/d(k^T a)
+    dgs = normalise_backward(gs, dwn * -lr, -2) * cst     # dL/d(k^T a)
 
-    for i0, i1 in pieces:
+    for i0, i1, _, _ in pieces:
         kb, vb, terms = kept if kept is not None else (k(i0, i1), v(i0, i1), None)
         kept = None
         z1, z2, silu2, s2, om, dsilu2, t, a = terms if terms is not None else _swiglu_terms(kb, vb, w12)
@@ -131,11 +120,11 @@ def _conv_head_backward(dx2, q2, k2, v2, w3, scale, lr):
     gradient: dv2 = conv(k2, dG), dk2 = conv(v2, flip(dG)). Returns dq2, dk2, dv2 as (B, H*W, d) tokens
     and dw3 (d, 1, 3, 3)."""
     b, h, w, d = q2.shape
-    cst = -scale / float(h * w)
+    cst = loss_factor(scale, h * w)
     gs = tap_sums(k2, v2) * cst                                       # (B, d, 9)
-    w3n = w3.reshape(1, d, 9) - lr * normalize_inner_grad(gs, -1)
+    w3n = update(w3.reshape(1, d, 9), gs, lr, -1)
     dwn = tap_sums(q2, dx2)
-    dg = _normalize_backward(gs, dwn * -lr, -1) * cst
+    dg = normalise_backward(gs, dwn * -lr, -1) * cst
     kernels = (t.reshape(b * d, 1, 3, 3) for t in (w3n.flip(-1), dg, dg.flip(-1)))   # flip(-1) of 9 taps =
     dq2, dv2, dk2 = (dwconv_per_sample(x, k) for x, k in zip((dx2, k2, v2), kernels))  # both axes flipped
     return dq2, dk2, dv2, dwn.sum(0).view_as(w3)
@@ -179,7 +168,7 @@ def ttt_core_backward(grad_out, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale
                 heads(out[:, i0:i1], num_heads).copy_(g)
         return write
 
-    pieces = token_pieces(n, None if piece is None else piece // (b * c))
+    pieces = split(n, piece, unit=b * c)
     dw12 = _swiglu_core_backward(
         lambda i0, i1: heads(grad_out[:, i0:i1, :c], num_heads), rotated(q1), rotated(k1),
         lambda i0, i1: heads(v1[:, i0:i1], num_heads), w12, scale, lr, rotate_back(dq1), rotate_back(dk1),
@@ -194,36 +183,34 @@ def ttt_core_backward(grad_out, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale
 
 class TTTCore(torch.autograd.Function):
     """`reference.ttt_core` that saves only its inputs and recomputes the inner models in backward: in closed
-    form (`ttt_core_backward`) for fp32 / fp64 without autocast, otherwise by autograd through the reference
-    under the forward's autocast state. With `piece` the forward (`pieces.ttt_core_pieces`) and the
-    closed-form backward run in pieces of `piece` elements.
+    form (`ttt_core_backward`, the train path: fp32 / fp64 without autocast) or, with `closed_form=False` (the
+    checkpoint path), by autograd through the reference under the forward's autocast state. The forward is
+    `pieces.ttt_core_pieces`; with `piece` it and the closed-form backward run in pieces of `piece` elements.
 
-    Inputs: those of `reference.ttt_core`, then `piece` (int | None). Output (B, N, C + d).
+    Inputs: those of `reference.ttt_core`, then `piece` (int | None) and `closed_form` (bool). Output
+    (B, N, C + d).
     """
 
     @staticmethod
-    def forward(ctx, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, piece=None):
+    def forward(ctx, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, piece=None, closed_form=True):
         dev = qkv.device.type
         on = autocast_on(dev)
         ctx.autocast = (dev, on, torch.get_autocast_dtype(dev) if on else None)
         ctx.args = (hw_shape, num_heads, scale, lr)
-        ctx.piece = piece
-        ctx.rot = rot
+        ctx.piece, ctx.closed_form, ctx.rot = piece, closed_form, rot
         ctx.save_for_backward(qkv, w1, w2, w3)
-        if piece is not None:
-            return ttt_core_pieces(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, piece)
-        return ttt_core_fused(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr)
+        return ttt_core_pieces(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, piece)
 
     @staticmethod
     def backward(ctx, grad_out):
         saved = ctx.saved_tensors
         needs = [ctx.needs_input_grad[i] for i in (0, 2, 3, 4)]
-        dev, enabled, dtype = ctx.autocast
-        if not enabled and saved[0].dtype in (torch.float32, torch.float64) and \
-                all(t.dtype == saved[0].dtype for t in saved[1:]):
+        none = (None,) * 6
+        if ctx.closed_form:
             g = ttt_core_backward(grad_out, *saved[:1], ctx.rot, *saved[1:], *ctx.args, ctx.piece)
             g = [t if r else None for t, r in zip(g, needs)]
-            return g[0], None, g[1], g[2], g[3], None, None, None, None, None
+            return g[0], None, g[1], g[2], g[3], *none
+        dev, enabled, dtype = ctx.autocast
         inputs = [t.detach().requires_grad_(r) for t, r in zip(saved, needs)]
         amp = torch.autocast(dev, enabled=True, dtype=dtype) if enabled else autocast_off(dev)
         with torch.enable_grad(), amp:
@@ -231,4 +218,4 @@ class TTTCore(torch.autograd.Function):
         wrt = [t for t, r in zip(inputs, needs) if r]
         grads = iter(torch.autograd.grad(out, wrt, grad_out)) if wrt else iter(())
         g = [next(grads) if r else None for r in needs]
-        return g[0], None, g[1], g[2], g[3], None, None, None, None, None
+        return g[0], None, g[1], g[2], g[3], *none
