@@ -479,3 +479,54 @@ def test_merge_pools_runs_and_render_names_each(tmp_path):
     cli = _cli()
     assert cli.main(['merge', str(tmp_path / 'a.json'), str(tmp_path / 'b.json'), '--out', str(tmp_path / 'm.json')]) == 0
     assert json.loads((tmp_path / 'm.json').read_text()) == m
+
+
+def test_analysis_imports_form_no_circle():
+    """The modules of mmplugin_l2/analysis import each other without a circle, counting imports inside
+    functions too (a function-level import must not hide one)."""
+    import ast
+    import pathlib
+
+    import mmplugin_l2.analysis as pkg
+    folder = pathlib.Path(pkg.__file__).parent
+    names = {p.stem for p in folder.glob('*.py')}
+    graph = {}
+    for path in folder.glob('*.py'):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                mod = node.module or ''
+                if node.level == 1:
+                    deps |= {mod.split('.')[0]} if mod else {a.name for a in node.names}
+                elif mod.startswith('mmplugin_l2.analysis.'):
+                    deps.add(mod.split('.')[2])
+                elif mod == 'mmplugin_l2.analysis':
+                    deps |= {a.name for a in node.names}
+        graph[path.stem] = deps & names - {path.stem, '__init__'}
+    state = {}
+
+    def visit(n, trail):
+        if state.get(n) == 'done':
+            return
+        assert state.get(n) != 'open', f'import circle: {" -> ".join(trail + [n])}'
+        state[n] = 'open'
+        for m in sorted(graph[n]):
+            visit(m, trail + [n])
+        state[n] = 'done'
+    for n in sorted(graph):
+        visit(n, [])
+
+
+def test_cfg_options_nest_and_reach_the_backbone():
+    """`--cfg-options` of the benchmark: dotted keys nest, values are Python literals, and the built backbone
+    takes them (a key it does not know fails)."""
+    from mmplugin_l2.analysis import benchmark as bm
+    from mmplugin_l2.analysis.models import build
+    cfg = bm.nested(dict(_cli()._option(o) for o in ('fast_train=False', 'memory_policy.max_elems=4096')))
+    assert cfg == dict(fast_train=False, memory_policy=dict(max_elems=4096))
+    m = build('rest_s', cfg, tiny=True)
+    assert all(not mod.fast_train for mod in m.modules() if hasattr(mod, 'fast_train') and mod is not m
+               and type(mod).__name__ != 'BatchNorm2d')
+    assert {mod.memory_policy.max_elems for mod in m.modules() if hasattr(mod, 'memory_policy')} == {4096}
+    with pytest.raises(TypeError):
+        build('rest_s', dict(no_such_argument=1), tiny=True)

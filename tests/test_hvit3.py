@@ -1,12 +1,11 @@
-"""H-ViT3 / ViT3 backbones: shapes, inner gradients, RoPE, freezing, checkpointing, registries, weights."""
+"""H-ViT3 / ViT3 backbones: shapes, freezing, checkpointing, registries, weights (the TTT layer, its inner
+gradients and RoPE: tests/ops/test_ttt.py, tests/ops/test_rope.py)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from conftest import assert_pyramid_shapes, assert_with_cp_matches, TINY_HVIT3, nbytes, saved_for_backward
+from conftest import assert_pyramid_shapes, assert_with_cp_matches, TINY_HVIT3
 from mmplugin_l2 import HViT3, ViT3
-from mmplugin_l2.models.layers import TTTAttention, apply_rope, rope_tables
 
 
 def n_params(m):
@@ -66,69 +65,6 @@ def test_param_counts_vit3(arch, expected):
     assert n_params(m) + c * 1000 + 1000 == expected
 
 
-def test_ttt_layer_against_explicit_inner_training():
-    """The whole TTT layer against a slow path that trains each inner model with autograd."""
-    torch.manual_seed(1)
-    c, nh, hh, ww, b = 16, 2, 5, 6, 2
-    layer = TTTAttention(c, nh).double()
-    with torch.no_grad():
-        for p in (layer.w1, layer.w2, layer.w3):
-            p.normal_(0, 0.3)
-    x = torch.randn(b, hh * ww, c, dtype=torch.float64)
-    rope = rope_tables(hh, ww, c).to(torch.complex128)
-    got = layer(x, (hh, ww), rope)
-
-    d = c // nh
-    n = hh * ww
-    q1, k1, v1, q2, k2, v2 = layer.qkv(x).split([c, c, c, d, d, d], -1)
-    q1, k1 = apply_rope(q1, rope), apply_rope(k1, rope)
-    outs = []
-    for i in range(b):
-        heads = []
-        for hd in range(nh):
-            sl = slice(hd * d, (hd + 1) * d)
-            W1 = layer.w1[0, hd].detach().clone().requires_grad_()
-            W2 = layer.w2[0, hd].detach().clone().requires_grad_()
-            loss = -((k1[i, :, sl] @ W1) * F.silu(k1[i, :, sl] @ W2) * v1[i, :, sl]).sum() / n / 3
-            g1, g2 = torch.autograd.grad(loss, (W1, W2))
-            W1 = W1 - g1 / (g1.norm(dim=0, keepdim=True) + 1)
-            W2 = W2 - g2 / (g2.norm(dim=0, keepdim=True) + 1)
-            heads.append((q1[i, :, sl] @ W1) * F.silu(q1[i, :, sl] @ W2))
-        kk = k2[i].T.reshape(1, d, hh, ww)
-        vv = v2[i].T.reshape(1, d, hh, ww)
-        W3 = layer.w3.detach().clone().requires_grad_()
-        loss = -(F.conv2d(kk, W3, padding=1, groups=d) * vv).sum() / n / 3
-        (g3,) = torch.autograd.grad(loss, W3)
-        W3 = W3 - g3 / (g3.norm(dim=(-2, -1), keepdim=True) + 1)
-        conv = F.conv2d(q2[i].T.reshape(1, d, hh, ww), W3, padding=1, groups=d).reshape(d, n).T
-        outs.append(torch.cat(heads + [conv], -1))
-    ref = layer.proj(torch.stack(outs))
-    torch.testing.assert_close(got, ref, rtol=0, atol=1e-10)
-
-
-def _ttt_layer_and_input(fast_train, dtype=torch.float64, dim=16, heads=2):
-    torch.manual_seed(3)
-    layer = TTTAttention(dim, heads, fast_train=fast_train).to(dtype)
-    with torch.no_grad():
-        for p in (layer.w1, layer.w2, layer.w3):
-            p.normal_(0, 0.3)
-    x = torch.randn(2, 5 * 6, dim, dtype=dtype, requires_grad=True)
-    return layer, x
-
-
-def test_ttt_recompute_keeps_fewer_tensors_for_backward():
-    """What autograd keeps for backward, in bytes: the recomputing layer keeps only x (for qkv), the qkv
-    tokens and the proj input, far below the plain graph (which keeps every inner-model temporary)."""
-    kept = {}
-    for fast_train in (True, False):
-        layer, x = _ttt_layer_and_input(fast_train, torch.float32)
-        _, saved = saved_for_backward(lambda: layer(x, (5, 6), rope_tables(5, 6, 16)))
-        kept[fast_train] = nbytes(saved)
-    n, c, d = 2 * 30, 16, 8
-    assert kept[True] <= 4 * (n * c + n * (3 * c + 3 * d) + n * (c + d)) + 4 * (16 * 54 + 24 * 16) + 8 * 4 * 1024
-    assert kept[True] < 0.5 * kept[False]
-
-
 def test_scale_is_constant_across_calls():
     """No first-call special case: the same input gives the same output on every call."""
     m = HViT3(arch=TINY_HVIT3).eval()
@@ -139,49 +75,7 @@ def test_scale_is_constant_across_calls():
     assert all(blk.attn.scale == pytest.approx(1 / 3) for s in m.layers for blk in s.blocks)
 
 
-# ---------------------------------------------------------------- RoPE
-def test_rope_matches_complex_rotation():
-    h, w, c = 5, 7, 16
-    rot = rope_tables(h, w, c)
-    x = torch.randn(2, h * w, c)
-    k = c // 4
-    theta = 10000 ** (-torch.arange(k, dtype=torch.float64) / k)
-    ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing='ij')
-    ang = torch.cat([ys.reshape(-1, 1) * theta, xs.reshape(-1, 1) * theta], 1)  # (N, C/2)
-    z = torch.view_as_complex(x.double().reshape(2, h * w, c // 2, 2).contiguous())
-    ref = torch.view_as_real(z * torch.polar(torch.ones_like(ang), ang)).reshape(2, h * w, c)
-    torch.testing.assert_close(apply_rope(x, rot).double(), ref, rtol=0, atol=1e-5)
-    # first half of the channels rotates with the row only, second half with the column only
-    rows = apply_rope(torch.ones(1, h * w, c), rot).reshape(h, w, c)
-    assert torch.allclose(rows[:, :1, :c // 2].expand(-1, w, -1), rows[:, :, :c // 2])
-    assert torch.allclose(rows[:1, :, c // 2:].expand(h, -1, -1), rows[:, :, c // 2:])
 
-
-@pytest.mark.parametrize('dim,heads', [(16, 2), (12, 4)])
-def test_rope_heads_and_its_transpose(dim, heads):
-    """rope_heads = apply_rope then the head split (exactly); rope_heads_backward is its transpose:
-    <rope_heads(x), g> = <x, rope_heads_backward(g)>, also into a strided channel slice."""
-    from mmplugin_l2.models.ops.rope import rope_heads, rope_heads_backward
-    torch.manual_seed(0)
-    rot = rope_tables(3, 4, dim)
-    wide = torch.randn(2, 12, 3 * dim + 2, dtype=torch.float64)
-    x = wide[..., dim + 2:2 * dim + 2]
-    ref = apply_rope(x, rot).unflatten(-1, (heads, -1)).transpose(1, 2)
-    got = rope_heads(x, rot, heads)
-    assert got.is_contiguous() and torch.equal(got, ref)
-    g = torch.randn_like(ref)
-    out = torch.zeros_like(wide)
-    rope_heads_backward(g, rot, out[..., 2:dim + 2])
-    torch.testing.assert_close((got * g).sum(), (x * out[..., 2:dim + 2]).sum(), rtol=1e-14, atol=0)
-    assert out[..., :2].abs().sum() == 0 and out[..., dim + 2:].abs().sum() == 0
-
-
-def test_rope_tables_from_inference_mode_serve_training():
-    with torch.inference_mode():
-        rot = rope_tables(4, 4, 8)
-    x = torch.randn(1, 16, 8, requires_grad=True)
-    apply_rope(x, rot).sum().backward()
-    assert x.grad is not None
 
 
 # ---------------------------------------------------------------- freezing, norm_eval, with_cp
@@ -255,7 +149,6 @@ def test_wrong_channel_count_error():
     m = HViT3(arch=TINY_HVIT3)
     with pytest.raises(ValueError, match=r'expects images \(B, 3, H, W\).*\(1, 4, 32, 32\)'):
         m(torch.randn(1, 4, 32, 32))
-
 
 
 def test_vit3_state_dict_has_the_authors_layout():

@@ -1,5 +1,5 @@
-"""ResT backbone: shapes at any size, the EMSA layer against the spec (its attention: the naive op), the
-backbone with and without the memory-saving attention, freezing, norm_eval, with_cp, output-norm placement,
+"""ResT backbone: shapes at any size, the single-head stage's layout, the backbone with and without the
+memory-saving attention (the EMSA layer and its op: tests/ops/test_emsa.py), freezing, norm_eval, with_cp, output-norm placement,
 parameter counts, registries, and the authors' checkpoint layouts (classification and detectron2) through
 init_cfg and the convert tool."""
 import math
@@ -9,11 +9,10 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from conftest import assert_pyramid_shapes, assert_with_cp_matches, ROOT, TINY_REST
 from mmplugin_l2 import ResT
-from mmplugin_l2.models.layers import EMSA, set_memory_policy
+from mmplugin_l2.models.layers import EMSA
 from mmplugin_l2.models.ops.emsa.naive import emsa_attention_naive
 
 # the authors' classification models (docs/rest.md, Architecture): total parameters incl. the 1000-way head
@@ -71,53 +70,6 @@ def test_out_indices_and_out_channels():
 
 
 # ---------------------------------------------------------------- EMSA
-def slow_emsa(m, x, hw):
-    """EMSA written out from the spec (docs/rest.md, Architecture): the reduction by an explicit loop over the
-    strided windows, the attention by the naive op (ops/emsa/naive.py)."""
-    b, n, c = x.shape
-    h = m.num_heads
-    d = c // h
-    H, W = hw
-    q = x @ m.q.weight.T + m.q.bias
-    if m.sr_ratio > 1:
-        s = m.sr_ratio
-        grid = x.transpose(1, 2).reshape(b, c, H, W)
-        padded = F.pad(grid, (s // 2,) * 4)
-        hk, wk = math.ceil(H / s), math.ceil(W / s)
-        red = x.new_zeros(b, c, hk, wk)
-        for i in range(hk):
-            for j in range(wk):
-                patch = padded[:, :, i * s:i * s + s + 1, j * s:j * s + s + 1]
-                red[:, :, i, j] = (patch * m.sr.weight[:, 0]).sum((-2, -1)) + m.sr.bias
-        t = red.flatten(2).transpose(1, 2)
-        mu, var = t.mean(-1, keepdim=True), t.var(-1, unbiased=False, keepdim=True)
-        kv_in = (t - mu) / torch.sqrt(var + 1e-5) * m.sr_norm.weight + m.sr_norm.bias
-    else:
-        kv_in = x
-    kv = kv_in @ m.kv.weight.T + m.kv.bias
-    key, val = kv[..., :c], kv[..., c:]  # rows [0:C] are K, [C:2C] are V
-
-    def heads(t):
-        return t.unflatten(-1, (h, d)).transpose(1, 2)
-    conv = m.transform_conv if h > 1 else None
-    out = emsa_attention_naive(heads(q), heads(key), heads(val), d ** -0.5, conv)
-    out = out.transpose(1, 2).reshape(b, n, c)
-    return out @ m.proj.weight.T + m.proj.bias
-
-
-@pytest.mark.parametrize('heads,sr,hw', [(1, 8, (9, 13)), (2, 4, (7, 9)), (3, 2, (5, 6)), (4, 1, (3, 5))])
-@pytest.mark.parametrize('chunk', [None, 7])
-def test_emsa_against_slow_reference(heads, sr, hw, chunk):
-    torch.manual_seed(heads)
-    c = 12 * heads
-    m = EMSA(c, heads, sr, qkv_bias=True, fast_train=chunk is not None).double()
-    if chunk is not None:
-        set_memory_policy(m, dict(max_elems=chunk))
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    x = torch.randn(2, hw[0] * hw[1], c, dtype=torch.float64)
-    torch.testing.assert_close(m(x, hw), slow_emsa(m, x, hw), rtol=0, atol=1e-10)
 
 
 def test_single_head_stage_skips_conv_and_instance_norm(monkeypatch):
@@ -144,23 +96,23 @@ def test_single_head_stage_skips_conv_and_instance_norm(monkeypatch):
 
 # ---------------------------------------------------------------- the memory-saving path (ops: tests/ops/test_emsa.py)
 @pytest.mark.parametrize('dtype,tol', [(torch.float64, 1e-12), (torch.float32, 1e-6)])
-def test_backbone_chunked_equals_dense_values_and_grads(dtype, tol):
+def test_backbone_pieces_equal_whole_maps_values_and_grads(dtype, tol):
     """Whole backbone, train mode: outputs and every parameter gradient. Tolerances are relative to the
     largest output / gradient: some gradients are zero up to rounding (a conv bias before a BatchNorm, the
     head-mixing conv bias under the softmax), so a per-tensor relative check would compare rounding noise."""
     torch.manual_seed(0)
     dense = tiny(fast_train=False).to(dtype).train()
-    chunked = tiny(memory_policy=dict(max_elems=97)).to(dtype)
-    chunked.load_state_dict(dense.state_dict())
-    chunked.train()
+    pieces = tiny(memory_policy=dict(max_elems=97)).to(dtype)
+    pieces.load_state_dict(dense.state_dict())
+    pieces.train()
     x = torch.randn(2, 3, 70, 90, dtype=dtype)
-    od, oc = dense(x), chunked(x)
+    od, oc = dense(x), pieces(x)
     for a, b in zip(od, oc):
         torch.testing.assert_close(b, a, rtol=0, atol=tol * a.abs().max().item() * 10)
     sum(o.square().sum() for o in od).backward()
     sum(o.square().sum() for o in oc).backward()
     scale = max(p.grad.abs().max().item() for p in dense.parameters())
-    for (name, p), q in zip(dense.named_parameters(), chunked.parameters()):
+    for (name, p), q in zip(dense.named_parameters(), pieces.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=tol * scale, msg=name)
 
 
@@ -248,9 +200,9 @@ def test_norm_eval_keeps_batchnorm_statistics():
     assert not torch.equal(before, m2.patch_embed.conv1.norm.running_var)
 
 
-@pytest.mark.parametrize('chunk', [None, 97])
-def test_with_cp_same_output_and_grads(chunk):
-    kw = dict(fast_train=False) if chunk is None else dict(memory_policy=dict(max_elems=chunk))
+@pytest.mark.parametrize('piece', [None, 97])
+def test_with_cp_same_output_and_grads(piece):
+    kw = dict(fast_train=False) if piece is None else dict(memory_policy=dict(max_elems=piece))
     assert_with_cp_matches(lambda **extra: tiny(**kw, **extra))
 
 

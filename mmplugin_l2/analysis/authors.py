@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .models import build as build_ours
+from .table import build_ours
 
 #: family -> (repository, backbone file relative to the checkout root)
 FAMILIES = {

@@ -58,6 +58,18 @@ def parse_size(s):
     return size
 
 
+def nested(options):
+    """{'a.b': v} -> {'a': {'b': v}}: dotted keys of `--cfg-options` as nested arguments."""
+    out = {}
+    for key, value in options.items():
+        *parents, last = key.split('.')
+        node = out
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[last] = value
+    return out
+
+
 def size_key(size):
     return f'{size[0]}x{size[1]}'
 
@@ -74,18 +86,21 @@ def measure(spec):
         spec (dict): model (str), kind ('infer' | 'train'), size ([H, W]), batch (int), warmup (int),
             iters (int), device (str), authors_roots ({family: path}, optional), round (int, optional),
             precision ('fp32' (TF32 off, the default) | 'tf32' | 'bf16', optional; recorded when not fp32),
-            tiny (bool, optional: narrow widths, a smoke test).
+            tiny (bool, optional: narrow widths, a smoke test), cfg (dict, optional: overrides of the
+            backbone's arguments, recorded in the sample).
     """
     torch.manual_seed(0)
     dev = torch.device(spec['device'])
     size, batch, prec = tuple(spec['size']), spec['batch'], spec.get('precision', 'fp32')
-    model = build(spec['model'], size=size, authors_roots=spec.get('authors_roots'),
+    model = build(spec['model'], spec.get('cfg'), size=size, authors_roots=spec.get('authors_roots'),
                   tiny=spec.get('tiny', False)).to(dev)
     x = torch.randn(batch, 3, *size, device=dev)
     s = dict(model=spec['model'], kind=spec['kind'], size=list(size), batch=batch, round=spec.get('round', 0),
              params=sum(p.numel() for p in model.parameters()))
     if prec != 'fp32':
         s['precision'] = prec
+    if spec.get('cfg'):
+        s['cfg'] = spec['cfg']
     if spec['kind'] == 'infer':
         med, times, mem = measure_infer(model, x, spec['warmup'], spec['iters'], prec)
         s.update(latency_ms=med, times_ms=times, throughput=batch / med * 1e3, peak_mem_mb=mem)

@@ -13,6 +13,8 @@ import inspect
 import torch
 import torch.nn as nn
 
+from .vis import ATTENTION_KINDS
+
 
 class TokenMapReshape:
     """reshape_transform for `ActivationsAndGradients`: tokens (B, N, C) -> (B, C, h, w) with the (h, w)
@@ -72,7 +74,6 @@ def default_target_layer(model):
     """Name of the last block of the backbone (the parent of its last attention layer), e.g.
     backbone.stages.3.1 (L2ViT), backbone.layers.3.blocks.3 (H-ViT3-T), backbone.layers.3.blocks.1 (ResT-S),
     backbone.blocks.11 (ViT3)."""
-    from .vis import ATTENTION_KINDS
     names = [n for n, m in model.named_modules() if type(m).__name__ in ATTENTION_KINDS]
     if not names:
         raise ValueError('the model has no attention layer of ' + '/'.join(ATTENTION_KINDS))

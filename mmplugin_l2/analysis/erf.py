@@ -17,6 +17,8 @@ import math
 import numpy as np
 import torch
 
+from .inputs import fix_batchnorm_grad_layout
+
 
 def stage_output(backbone, x, index=-1):
     """The map a backbone returns at position `index` of its outputs (a tensor output is taken as is)."""
@@ -31,7 +33,6 @@ def erf_gradient(model, x, index=-1):
 
     The BatchNorms' backward is fixed for the run (`inputs.fix_batchnorm_grad_layout`: torch 2.14's CPU
     BatchNorm2d backward is wrong when the output gradient's memory format differs from the input's)."""
-    from .inputs import fix_batchnorm_grad_layout
     x = x.detach().clone().requires_grad_(True)
     hooks = fix_batchnorm_grad_layout(model)
     try:

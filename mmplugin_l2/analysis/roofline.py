@@ -16,6 +16,7 @@ import statistics
 import torch
 import torch.nn as nn
 
+from ..models.ops.memory import whole_maps
 from .measure import clock, time_calls, train_steps
 
 
@@ -128,8 +129,7 @@ def _flops(model, x):
     """(total multiply-adds, {module name: multiply-adds, descendants included}), one trace."""
     from mmengine.analysis import FlopAnalyzer
 
-    from ..models.ops.memory import whole_maps
-    with whole_maps(model):     # the model's operations, not the halo rows of row bands
+    with whole_maps(model):     # the model's operations, not the halo rows of pieces of rows
         a = FlopAnalyzer(model, (x,))
         a.unsupported_ops_warnings(False)
         a.uncalled_modules_warnings(False)

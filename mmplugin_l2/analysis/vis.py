@@ -34,6 +34,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .inputs import fix_batchnorm_grad_layout
+
 #: attention module class name -> map kind
 ATTENTION_KINDS = {'WindowAttention': 'lwa', 'LinearAttention': 'lga', 'EMSA': 'emsa', 'TTTAttention': 'ttt'}
 
@@ -106,7 +108,6 @@ def capture(backbone, names, x):
 def _f64(module):
     """A float64 eval copy without parameter gradients, its BatchNorm backward fixed
     (`fix_batchnorm_grad_layout`)."""
-    from .inputs import fix_batchnorm_grad_layout
     m = copy.deepcopy(module).double().eval().requires_grad_(False)
     fix_batchnorm_grad_layout(m)
     return m

@@ -1,6 +1,7 @@
 """`ops.emsa`: ResT's EMSA attention A @ v, its reference (`emsa_attention_reference`, well-conditioned), inference
 pieces and train function against the naive form (`naive.emsa_attention_naive`, the paper's Eq. 4), the
 dispatch of the `EMSA` layer, and the overflow guard of large logits."""
+import math
 import types
 
 import pytest
@@ -195,3 +196,54 @@ def test_state_dict_keys():
     assert sorted(EMSA(12, 3, 2, qkv_bias=True).state_dict()) == sorted(
         ['q.weight', 'q.bias', 'kv.weight', 'kv.bias', 'proj.weight', 'proj.bias', 'sr.weight', 'sr.bias',
          'sr_norm.weight', 'sr_norm.bias', 'transform_conv.weight', 'transform_conv.bias'])
+
+
+def slow_emsa(m, x, hw):
+    """EMSA written out from the spec (docs/rest.md, Architecture): the reduction by an explicit loop over the
+    strided windows, the attention by the naive op (ops/emsa/naive.py)."""
+    b, n, c = x.shape
+    h = m.num_heads
+    d = c // h
+    H, W = hw
+    q = x @ m.q.weight.T + m.q.bias
+    if m.sr_ratio > 1:
+        s = m.sr_ratio
+        grid = x.transpose(1, 2).reshape(b, c, H, W)
+        padded = F.pad(grid, (s // 2,) * 4)
+        hk, wk = math.ceil(H / s), math.ceil(W / s)
+        red = x.new_zeros(b, c, hk, wk)
+        for i in range(hk):
+            for j in range(wk):
+                patch = padded[:, :, i * s:i * s + s + 1, j * s:j * s + s + 1]
+                red[:, :, i, j] = (patch * m.sr.weight[:, 0]).sum((-2, -1)) + m.sr.bias
+        t = red.flatten(2).transpose(1, 2)
+        mu, var = t.mean(-1, keepdim=True), t.var(-1, unbiased=False, keepdim=True)
+        kv_in = (t - mu) / torch.sqrt(var + 1e-5) * m.sr_norm.weight + m.sr_norm.bias
+    else:
+        kv_in = x
+    kv = kv_in @ m.kv.weight.T + m.kv.bias
+    key, val = kv[..., :c], kv[..., c:]  # rows [0:C] are K, [C:2C] are V
+
+    def heads(t):
+        return t.unflatten(-1, (h, d)).transpose(1, 2)
+    conv = m.transform_conv if h > 1 else None
+    out = emsa_attention_naive(heads(q), heads(key), heads(val), d ** -0.5, conv)
+    out = out.transpose(1, 2).reshape(b, n, c)
+    return out @ m.proj.weight.T + m.proj.bias
+
+
+@pytest.mark.parametrize('heads,sr,hw', [(1, 8, (9, 13)), (2, 4, (7, 9)), (3, 2, (5, 6)), (4, 1, (3, 5))])
+@pytest.mark.parametrize('piece', [None, 7])
+def test_layer_against_slow_reference(heads, sr, hw, piece):
+    """The EMSA layer (its reduction conv and LayerNorm written out as loops, the attention the naive op) in
+    training with and without pieces."""
+    torch.manual_seed(heads)
+    c = 12 * heads
+    m = EMSA(c, heads, sr, qkv_bias=True, fast_train=piece is not None).double()
+    if piece is not None:
+        set_memory_policy(m, dict(max_elems=piece))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    x = torch.randn(2, hw[0] * hw[1], c, dtype=torch.float64)
+    torch.testing.assert_close(m(x, hw), slow_emsa(m, x, hw), rtol=0, atol=1e-10)

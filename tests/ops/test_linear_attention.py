@@ -128,3 +128,129 @@ def test_train_eval_with_grad_and_train_under_no_grad(monkeypatch):
 def test_state_dict_keys():
     assert sorted(LinearAttention(16, 2).state_dict()) == ['proj.bias', 'proj.weight', 'qkv.bias', 'qkv.weight',
                                                            'temperature']
+
+
+def _attention_and_tokens():
+    """A float64 LinearAttention with a negative temperature and tokens of growing scale (some clamped)."""
+    torch.manual_seed(0)
+    attn = LinearAttention(32, 2).double()
+    with torch.no_grad():
+        attn.temperature.copy_(torch.tensor([0.3, -0.7]).view(2, 1, 1))
+        attn.qkv.bias.normal_(0, 0.2)
+    return attn, torch.randn(3, 40, 32, dtype=torch.float64) * torch.linspace(0.2, 3., 40)[None, :, None]
+
+
+def test_linear_attention_training_copies_each_head_operand_once():
+    """In training, LinearAttentionCore reads q, k, v (strided views of the qkv output, as LinearAttention
+    makes them) into the contiguous head layout once, in forward: its forward + backward make one map-sized
+    copy (v; Q and K are written by the ReLU) and no other, where torch.matmul on the views copied an
+    operand before every batched product."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from mmplugin_l2.models.layers.linear_attention import LinearAttentionCore
+    b, n, h, d = 2, 50, 3, 8
+    qkv = torch.randn(b, n, 3 * h * d, dtype=torch.float64, requires_grad=True)
+    q, k, v = (t.transpose(1, 2) for t in qkv.view(b, n, 3, h, d).unbind(2))
+    t = torch.full((h, 1, 1), 0.3, dtype=torch.float64, requires_grad=True)
+    copies = []
+
+    class Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.clone, torch.ops.aten.copy_, torch.ops.aten._to_copy):
+                if out.numel() >= n * d:
+                    copies.append((str(func), tuple(out.shape)))
+            return out
+    with Copies():
+        out = LinearAttentionCore.apply(q, k, v, t, 2.)
+        grads = torch.autograd.grad(out, [q, k, v, t], torch.randn_like(out))
+    assert copies == [('aten.clone.default', (b, h, n, d))], copies
+    assert all(g.is_contiguous() for g in grads[:3])
+
+
+def test_clamp_is_active_and_exact():
+    """One head, q = k = v = x, identity projection, temperature 1: out_i = x_i (sum_j x_j^T x_j) /
+    max(x_i . sum_j x_j, 100), computed by hand. Tokens below 100 are divided by exactly 100."""
+    attn = LinearAttention(2, 1).double()
+    assert attn.clamp_min == 100.
+    with torch.no_grad():
+        attn.qkv.weight.copy_(torch.eye(2).repeat(3, 1))
+        attn.qkv.bias.zero_()
+        attn.proj.weight.copy_(torch.eye(2))
+        attn.proj.bias.zero_()
+        attn.temperature.fill_(1.)
+    x = torch.tensor([[[1., 0.5], [2., 1.], [0.1, 0.2], [6., 3.], [4., 8.]]], dtype=torch.float64)
+    s = x[0].sum(0)                  # sum_j k_j
+    kv = x[0].T @ x[0]               # sum_j k_j^T v_j
+    den = x[0] @ s
+    assert (den < 100).any() and (den > 100).any()
+    expected = (x[0] @ kv) / torch.maximum(den, torch.tensor(100., dtype=torch.float64))[:, None]
+    got = attn(x)[0]
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    small = den < 100
+    torch.testing.assert_close(got[small], (x[0] @ kv)[small] / 100, rtol=0, atol=1e-12)
+    # and the clamp matters: without it those tokens differ
+    attn.clamp_min = 1e-6
+    assert not torch.allclose(attn(x)[0][small], got[small])
+
+
+def test_linear_attention_fp16_autocast_stays_finite():
+    """Large activations over many tokens: K^T V and the denominator exceed fp16's 65504. With the fp32
+    reduction the output is finite and matches fp32; the same computation in fp16 overflows."""
+    torch.manual_seed(0)
+    n, c = 8192, 32
+    attn = LinearAttention(c, 1)
+    with torch.no_grad():
+        attn.qkv.weight.copy_(torch.eye(c).repeat(3, 1) * 4)
+        attn.qkv.bias.fill_(1.)
+    x = torch.rand(1, n, c) * 3
+    ref = attn(x)
+    with torch.no_grad():
+        qkv = attn.qkv(x).reshape(1, n, 3, 1, c).permute(2, 0, 3, 1, 4).half()
+        assert torch.isinf(qkv[1].relu().transpose(-2, -1) @ qkv[2]).any(), 'K^T V must overflow fp16'
+    for dtype in (torch.float16, torch.bfloat16):
+        with torch.autocast('cpu', dtype=dtype):
+            out = attn(x)
+        assert out.dtype == dtype and torch.isfinite(out).all()
+        torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
+    attn.fp32_reduce = False
+    with torch.autocast('cpu', dtype=torch.float16):
+        assert not torch.isfinite(attn(x)).all(), 'without the fp32 reduction fp16 overflows'
+
+
+def explicit_linear_attention(attn, x, clamp_min=100.):
+    """The layer `attn` with the naive op (ops/linear_attention/naive.py: the N x N matrix written out) between
+    its qkv and proj Linears; and which (batch, head, query) denominators the clamp binds."""
+    b, n, c = x.shape
+    q, k, v = attn.qkv(x).view(b, n, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4)
+    out = linear_attention_naive(q, k, v, attn.temperature, clamp_min)
+    clamped = (q.relu() @ k.relu().transpose(-2, -1)).sum(-1) < clamp_min
+    return attn.proj(out.transpose(1, 2).reshape(b, n, c)), clamped
+
+
+def test_linear_attention_against_explicit_matrix():
+    attn, x = _attention_and_tokens()
+    ref, clamped = explicit_linear_attention(attn, x)
+    assert 0 < clamped.double().mean() < 1, 'the test needs clamped and unclamped tokens'
+    torch.testing.assert_close(attn(x), ref, rtol=0, atol=1e-12)          # autograd records: the autograd function
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x), ref, rtol=0, atol=1e-12)      # the plain ops
+
+
+def test_linear_attention_training_gradients_against_explicit_matrix():
+    """While autograd records, the attention runs as LinearAttentionCore (closed-form backward). Its
+    gradients (input, qkv, temperature, proj) equal autograd's through the explicit N x N matrix, with
+    clamped and unclamped tokens and a negative temperature; and the function passes gradcheck."""
+    from mmplugin_l2.models.layers.linear_attention import LinearAttentionCore
+    attn, x = _attention_and_tokens()
+    g = torch.randn(3, 40, 32, dtype=torch.float64)
+    wrt = [attn.qkv.weight, attn.qkv.bias, attn.temperature, attn.proj.weight]
+    grads = {}
+    for name, fn in (('ours', attn), ('explicit', lambda t: explicit_linear_attention(attn, t)[0])):
+        xi = x.clone().requires_grad_()
+        grads[name] = torch.autograd.grad(fn(xi), [xi] + wrt, g)
+    assert 0 < explicit_linear_attention(attn, x)[1].double().mean() < 1, 'the test needs both kinds of token'
+    for a, b in zip(grads['ours'], grads['explicit']):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11 * b.abs().max().item())
+    q, k, v = (torch.randn(2, 2, 9, 3, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    t = torch.tensor([0.5, -1.5], dtype=torch.float64).view(2, 1, 1).requires_grad_()
+    assert torch.autograd.gradcheck(lambda *a: LinearAttentionCore.apply(*a, 2.), (q, k, v, t))

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import mmplugin_l2.models.ops.ttt as ttt_op
-from mmplugin_l2.models.layers import TTTAttention, rope_tables
+from conftest import nbytes, saved_for_backward
+from mmplugin_l2.models.layers import TTTAttention, apply_rope, rope_tables
 from mmplugin_l2.models.ops import INFERENCE, Path
 from mmplugin_l2.models.ops.export import export_mode
 from mmplugin_l2.models.ops.memory import MemoryPolicy, set_memory_policy
@@ -251,3 +252,66 @@ def test_eval_with_grad_train_under_no_grad_and_export_take_the_reference(monkey
 def test_state_dict_keys():
     assert sorted(TTTAttention(8, 2).state_dict()) == sorted(
         ['qkv.weight', 'qkv.bias', 'w1', 'w2', 'w3', 'proj.weight', 'proj.bias'])
+
+
+def test_ttt_layer_against_explicit_inner_training():
+    """The whole TTT layer against a slow path that trains each inner model with autograd."""
+    torch.manual_seed(1)
+    c, nh, hh, ww, b = 16, 2, 5, 6, 2
+    layer = TTTAttention(c, nh).double()
+    with torch.no_grad():
+        for p in (layer.w1, layer.w2, layer.w3):
+            p.normal_(0, 0.3)
+    x = torch.randn(b, hh * ww, c, dtype=torch.float64)
+    rope = rope_tables(hh, ww, c).to(torch.complex128)
+    got = layer(x, (hh, ww), rope)
+
+    d = c // nh
+    n = hh * ww
+    q1, k1, v1, q2, k2, v2 = layer.qkv(x).split([c, c, c, d, d, d], -1)
+    q1, k1 = apply_rope(q1, rope), apply_rope(k1, rope)
+    outs = []
+    for i in range(b):
+        heads = []
+        for hd in range(nh):
+            sl = slice(hd * d, (hd + 1) * d)
+            W1 = layer.w1[0, hd].detach().clone().requires_grad_()
+            W2 = layer.w2[0, hd].detach().clone().requires_grad_()
+            loss = -((k1[i, :, sl] @ W1) * F.silu(k1[i, :, sl] @ W2) * v1[i, :, sl]).sum() / n / 3
+            g1, g2 = torch.autograd.grad(loss, (W1, W2))
+            W1 = W1 - g1 / (g1.norm(dim=0, keepdim=True) + 1)
+            W2 = W2 - g2 / (g2.norm(dim=0, keepdim=True) + 1)
+            heads.append((q1[i, :, sl] @ W1) * F.silu(q1[i, :, sl] @ W2))
+        kk = k2[i].T.reshape(1, d, hh, ww)
+        vv = v2[i].T.reshape(1, d, hh, ww)
+        W3 = layer.w3.detach().clone().requires_grad_()
+        loss = -(F.conv2d(kk, W3, padding=1, groups=d) * vv).sum() / n / 3
+        (g3,) = torch.autograd.grad(loss, W3)
+        W3 = W3 - g3 / (g3.norm(dim=(-2, -1), keepdim=True) + 1)
+        conv = F.conv2d(q2[i].T.reshape(1, d, hh, ww), W3, padding=1, groups=d).reshape(d, n).T
+        outs.append(torch.cat(heads + [conv], -1))
+    ref = layer.proj(torch.stack(outs))
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-10)
+
+
+def _ttt_layer_and_input(fast_train, dtype=torch.float64, dim=16, heads=2):
+    torch.manual_seed(3)
+    layer = TTTAttention(dim, heads, fast_train=fast_train).to(dtype)
+    with torch.no_grad():
+        for p in (layer.w1, layer.w2, layer.w3):
+            p.normal_(0, 0.3)
+    x = torch.randn(2, 5 * 6, dim, dtype=dtype, requires_grad=True)
+    return layer, x
+
+
+def test_ttt_recompute_keeps_fewer_tensors_for_backward():
+    """What autograd keeps for backward, in bytes: the recomputing layer keeps only x (for qkv), the qkv
+    tokens and the proj input, far below the plain graph (which keeps every inner-model temporary)."""
+    kept = {}
+    for fast_train in (True, False):
+        layer, x = _ttt_layer_and_input(fast_train, torch.float32)
+        _, saved = saved_for_backward(lambda: layer(x, (5, 6), rope_tables(5, 6, 16)))
+        kept[fast_train] = nbytes(saved)
+    n, c, d = 2 * 30, 16, 8
+    assert kept[True] <= 4 * (n * c + n * (3 * c + 3 * d) + n * (c + d)) + 4 * (16 * 54 + 24 * 16) + 8 * 4 * 1024
+    assert kept[True] < 0.5 * kept[False]

@@ -11,7 +11,7 @@ import mmplugin_l2.models.ops.window_attention as wa_op
 from mmplugin_l2.models.layers import WindowAttention
 from mmplugin_l2.models.ops import INFERENCE, Path
 from mmplugin_l2.models.ops.memory import MemoryPolicy, set_memory_policy
-from mmplugin_l2.models.ops.window_attention import padding_key_mask, window_attention
+from mmplugin_l2.models.ops.window_attention import padding_key_mask, window_attention, window_partition, window_reverse
 from mmplugin_l2.models.ops.window_attention.naive import window_attention_naive, window_msa_naive
 from ops.harness import assert_matches_naive, record_calls
 
@@ -95,3 +95,11 @@ def test_eval_with_grad_and_training_take_the_reference(monkeypatch):
 
 def test_state_dict_keys():
     assert sorted(WindowAttention(16, 2, 4).state_dict()) == ['proj.bias', 'proj.weight', 'qkv.bias', 'qkv.weight']
+
+
+def test_window_partition_roundtrip():
+    x = torch.randn(2, 14, 21, 3)
+    win = window_partition(x, 7)
+    assert win.shape == (2 * 2 * 3, 49, 3)
+    assert torch.equal(win[1].view(7, 7, 3), x[0, :7, 7:14])  # second window of the first image
+    assert torch.equal(window_reverse(win, 7, 14, 21), x)

@@ -24,6 +24,7 @@ kind, size and batch from different runs are pooled as rounds, so merge runs of 
 resolution, written between the generated markers of --doc; the plot to --plot.
 """
 import argparse
+import ast
 import json
 import os
 import os.path as osp
@@ -34,6 +35,17 @@ from mmplugin_l2.analysis import benchmark as bm
 from mmplugin_l2.analysis.models import MODELS, label
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+
+
+def _option(text):
+    """KEY=VALUE, the value a Python literal (True, None, 1048576, (1, 2)) or else a string."""
+    key, sep, value = text.partition('=')
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f'expected KEY=VALUE, got {text!r}')
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
 
 
 def _size(s):
@@ -62,6 +74,9 @@ def parse_args(argv=None):
     r.add_argument('--device', default='cpu')
     r.add_argument('--authors-code', nargs='+', type=authors.family_path, default=[], metavar='FAMILY=PATH')
     r.add_argument('--timeout', type=float, default=None, help='seconds per measurement (default: none)')
+    r.add_argument('--cfg-options', nargs='+', type=_option, default=[], metavar='KEY=VALUE',
+                   help='overrides of our backbones\' arguments, dotted keys nest (e.g. fast_train=False '
+                        'memory_policy.max_elems=1048576); the samples record them')
     r.add_argument('--smoke', action='store_true', help='label the results a smoke run (not a benchmark)')
     r.add_argument('--out', required=True, help='results JSON')
     d = sub.add_parser('render', help='write docs tables and plot from a results file')
@@ -151,8 +166,11 @@ def main(argv=None):
     specs = bm.schedule(args.models, args.sizes, args.batches, args.kinds, args.rounds)
     common = dict(warmup=args.warmup, iters=args.iters, device=args.device, budget_mb=args.budget_mb,
                   max_batch=args.max_batch, authors_roots=args.authors_roots)
+    if args.cfg_options:
+        common['cfg'] = bm.nested(dict(args.cfg_options))
     config = dict(suite=args.suite, models=args.models, sizes=[list(s) for s in args.sizes], batches=args.batches,
                   kinds=args.kinds, rounds=args.rounds, warmup=args.warmup, iters=args.iters,
+                  cfg=common.get('cfg'),
                   budget_mb=args.budget_mb, command=' '.join(['python', 'tools/analysis/benchmark.py']
                                                               + sys.argv[1:] if argv is None else argv))
     results = dict(format=bm.FORMAT, smoke=args.smoke, env=bm.environment(args.device), config=config, samples=[])

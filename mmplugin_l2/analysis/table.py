@@ -1,0 +1,77 @@
+"""The model table's data (names, configs, narrow widths, labels) and how ours are built, apart from the builders
+of the other libraries' models and of the authors' code (`models`, `authors`), so that both can use it."""
+from ..models import backbones
+
+#: name -> backbone config (mmdet scope; `mmpretrain.` types build through mmpretrain's registry)
+MODELS = {
+    'hvit3_t': dict(type='HViT3', arch='tiny', drop_path_rate=0.),
+    'hvit3_s': dict(type='HViT3', arch='small', drop_path_rate=0.),
+    'hvit3_b': dict(type='HViT3', arch='base', drop_path_rate=0.),
+    'vit3_t': dict(type='ViT3', arch='tiny', drop_path_rate=0.),
+    'vit3_s': dict(type='ViT3', arch='small', drop_path_rate=0.),
+    'vit3_b': dict(type='ViT3', arch='base', drop_path_rate=0.),
+    'l2vit_t': dict(type='L2ViT', arch='tiny', drop_path_rate=0.),
+    'l2vit_s': dict(type='L2ViT', arch='small', drop_path_rate=0.),
+    'rest_s': dict(type='ResT', arch='small', drop_path_rate=0.),
+    'rest_b': dict(type='ResT', arch='base', drop_path_rate=0.),
+    # what users would pick instead: mmdet's pyramids ...
+    'swin_t': dict(type='mmdet.SwinTransformer', embed_dims=96, depths=(2, 2, 6, 2),
+                   num_heads=(3, 6, 12, 24), window_size=7, drop_path_rate=0.),
+    'swin_s': dict(type='mmdet.SwinTransformer', embed_dims=96, depths=(2, 2, 18, 2),
+                   num_heads=(3, 6, 12, 24), window_size=7, drop_path_rate=0.),
+    'pvtv2_b2': dict(type='mmdet.PyramidVisionTransformerV2', embed_dims=64, num_layers=[3, 4, 6, 3],
+                     drop_path_rate=0.),
+    # ... and mmpretrain's plain ViTs (patch 16; img_size is set to the input size when built for one)
+    'deit_t': dict(type='mmpretrain.VisionTransformer', arch='deit-tiny', patch_size=16, drop_path_rate=0.),
+    'deit_t_plain': dict(type='mmpretrain.VisionTransformer', arch='deit-tiny', patch_size=16, drop_path_rate=0.),
+    'deit_s': dict(type='mmpretrain.VisionTransformer', arch='deit-small', patch_size=16, drop_path_rate=0.),
+    'vit_b': dict(type='mmpretrain.VisionTransformer', arch='b', patch_size=16, drop_path_rate=0.),
+    # the same two from timm (any input size; feature maps as NCHW tuples)
+    'swin_t_timm': dict(type='timm', name='swin_tiny_patch4_window7_224', features_only=True,
+                        strict_img_size=False),
+    'deit_t_timm': dict(type='timm', name='deit_tiny_patch16_224', num_classes=0, dynamic_img_size=True),
+}
+
+#: narrow widths of `build(..., tiny=True)` (smoke tests of the tools), per type
+TINY = {
+    'HViT3': dict(arch=dict(embed_dims=[16, 32, 64, 64], depths=[1, 1, 2, 1], num_heads=[1, 1, 2, 2])),
+    'L2ViT': dict(arch=dict(embed_dims=[16, 32, 64, 64], depths=[2, 2, 2, 2], num_heads=[1, 2, 2, 2])),
+    'ResT': dict(arch=dict(embed_dims=[16, 32, 48, 64], depths=[1, 1, 2, 1], num_heads=[1, 2, 3, 4])),
+    'ViT3': dict(arch=dict(embed_dims=32, num_layers=2, num_heads=2)),
+    'mmdet.SwinTransformer': dict(embed_dims=16, depths=(1, 1, 1, 1), num_heads=(1, 1, 2, 2)),
+    'mmpretrain.VisionTransformer': dict(arch=dict(embed_dims=32, num_layers=2, num_heads=2,
+                                                   feedforward_channels=64)),
+    'timm:swin_tiny_patch4_window7_224': dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 1, 2, 2)),
+    'timm:deit_tiny_patch16_224': dict(embed_dim=32, depth=2, num_heads=2),
+}
+
+#: name -> how the docs' tables name it
+LABELS = {
+    'hvit3_t': 'H-ViT3-T', 'hvit3_s': 'H-ViT3-S', 'hvit3_b': 'H-ViT3-B', 'vit3_t': 'ViT3-T', 'vit3_s': 'ViT3-S',
+    'vit3_b': 'ViT3-B', 'l2vit_t': 'L2ViT-T', 'l2vit_s': 'L2ViT-S', 'rest_s': 'ResT-S', 'rest_b': 'ResT-B',
+    'swin_t': 'Swin-T (mmdet)', 'swin_s': 'Swin-S (mmdet)', 'pvtv2_b2': 'PVTv2-b2 (mmdet)',
+    'deit_t': 'DeiT-T (mmpretrain)', 'deit_t_plain': 'DeiT-T plain attention (mmpretrain, no fused SDPA)',
+    'deit_s': 'DeiT-S (mmpretrain)', 'vit_b': 'ViT-B/16 (mmpretrain)',
+    'swin_t_timm': 'Swin-T (timm)', 'deit_t_timm': 'DeiT-T (timm)',
+}
+
+#: models whose attention is switched from PyTorch's fused SDPA to the written-out formula
+PLAIN_ATTENTION = ('deit_t_plain',)
+#: suffix of the authors' implementation of one of ours
+AUTHORS_TAG = '@authors'
+
+
+def label(name):
+    """The docs' name of `name` (`<name>@authors` -> '<label> (authors' code)')."""
+    if name.endswith(AUTHORS_TAG):
+        return f'{label(name[:-len(AUTHORS_TAG)])} (authors\' code)'
+    return LABELS.get(name, name)
+
+
+def build_ours(name, extra_cfg=None, tiny=False):
+    """One of our backbones (a MODELS key of type HViT3 / ViT3 / L2ViT / ResT), without mmdet's registry."""
+    cfg = dict(MODELS[name])
+    if tiny:
+        cfg.update(TINY.get(cfg['type'], {}))
+    cfg.update(extra_cfg or {})
+    return getattr(backbones, cfg.pop('type'))(**cfg)
