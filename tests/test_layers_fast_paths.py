@@ -14,9 +14,10 @@ import torch.nn as nn
 
 from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST
 from mmplugin_l2 import HViT3, L2ViT, ResT, ViT3
-from mmplugin_l2.models.layers import (CPE, LCM, PA, Conv2dCL, ConvDownsample, ConvMlp, ConvStem, ConvStem2L,
+from mmplugin_l2.models.layers import (CPE, LCM, PA, Conv2dCL, ConvDownsample, ConvStem, ConvStem2L,
                                       L2ViTStem, MemoryPolicy, Mlp, ResTPatchEmbed, ResTStem, set_memory_policy)
 from mmplugin_l2.models.ops import INFERENCE, INFERENCE_ONLY, TRAIN, Path, choose, dispatch
+from mmplugin_l2.models.ops.conv.naive import batch_norm as batch_norm_naive
 
 
 class RecordingPolicy(MemoryPolicy):
@@ -237,8 +238,8 @@ def test_conv2d_channels_last_equals_conv2d(groups, k, stride):
 
 # ---- BatchNorm gradients in every memory layout -------------------------------------------------------
 def _functional_bn_reference(module):
-    """A float64 copy of `module` whose BatchNorms are computed from elementary ops (batch statistics in
-    train mode), so that autograd's gradient does not go through the CPU BatchNorm kernel."""
+    """A float64 copy of `module` whose BatchNorms are the naive formula (`ops/conv/naive.py`: batch statistics
+    in train mode), so that autograd's gradient does not go through the CPU BatchNorm kernel."""
     import copy
 
     class PlainBN(nn.Module):
@@ -247,14 +248,7 @@ def _functional_bn_reference(module):
             self.bn = bn
 
         def forward(self, x):
-            if self.bn.training:
-                mean, var = x.mean(dim=(0, 2, 3), keepdim=True), x.var(dim=(0, 2, 3), unbiased=False, keepdim=True)
-            else:
-                mean, var = self.bn.running_mean.view(1, -1, 1, 1), self.bn.running_var.view(1, -1, 1, 1)
-            y = (x - mean) / torch.sqrt(var + self.bn.eps)
-            if self.bn.affine:
-                y = y * self.bn.weight.view(1, -1, 1, 1) + self.bn.bias.view(1, -1, 1, 1)
-            return y
+            return batch_norm_naive(x, self.bn)
 
     ref = copy.deepcopy(module).double()
 

@@ -20,13 +20,16 @@ def conv(x, c):
 
 
 def batch_norm(x, bn):
-    """BN(x) of the BatchNorm module `bn` on the map x (B, C, H, W)."""
+    """BN(x) of the BatchNorm module `bn` on the map x (B, C, H, W): gamma (x - mean) / sqrt(var + eps) + beta,
+    batch statistics in train mode (without affine parameters: no gamma, beta)."""
     if bn.training:
         mean, var = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)
     else:
         mean, var = bn.running_mean, bn.running_var
-    mean, var, gamma, beta = (t.view(1, -1, 1, 1) for t in (mean, var, bn.weight, bn.bias))
-    return gamma * (x - mean) / (var + bn.eps).sqrt() + beta
+    mean, var = mean.view(1, -1, 1, 1), var.view(1, -1, 1, 1)
+    if bn.weight is None:
+        return (x - mean) / (var + bn.eps).sqrt()
+    return bn.weight.view(1, -1, 1, 1) * (x - mean) / (var + bn.eps).sqrt() + bn.bias.view(1, -1, 1, 1)
 
 
 def conv_chain_naive(layers, x, pre=None):
