@@ -6,7 +6,7 @@
 For every model and size: the first compiled call (compile time; later sizes reuse the graph when the dynamic
 shapes hold), the max relative difference of the compiled outputs to eager PyTorch, and the steady-state latency
 of both (median of --repeat calls, after one warm-up) and their ratio. While compiling, the layers take their
-export-mode paths (mmplugin_l2/models/layers/export.py): the compiled graph is the whole-map formulation, eager
+export-mode paths (mmplugin_l2/models/ops/export.py): the compiled graph is the whole-map formulation, eager
 runs the inference fast paths; the two are the same function. `--tiny`: narrow widths (seconds instead of
 minutes). Exits 1 if a relative difference exceeds --bound (default 1e-5). A check, not a default.
 """
