@@ -11,7 +11,8 @@ installed (the device check's machine). Ours build without mmdet (straight from 
 import torch.nn as nn
 
 from . import authors
-from .table import AUTHORS_TAG, LABELS, MODELS, PLAIN_ATTENTION, TINY, build_ours, label  # noqa: F401 (the tools' names)
+from .table import (AUTHORS_TAG, LABELS, MODELS, PLAIN_ATTENTION, TINY, build_ours,  # noqa: F401 (the tools' names)
+                    label)
 
 
 def check_name(name, authors_roots=None):

@@ -26,3 +26,8 @@ def test_whole_axis_and_halo():
     assert split(9, None) == [Piece(0, 9, 0, 9)]
     assert split(9, 4, halo=1) == [Piece(0, 4, 0, 5), Piece(4, 8, 3, 9), Piece(8, 9, 7, 9)]
     assert split(0, 4) == []
+
+
+def test_a_piece_owns_its_slice():
+    x = list(range(10))
+    assert [x[p.own] for p in split(10, 4)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]

@@ -12,6 +12,7 @@ from ..ops import TRAIN, choose
 from ..ops.conv import BATCH_NORM, BatchNormCLFunction  # noqa: F401 (BatchNormCLFunction: re-exported)
 from ..ops.export import exporting
 from ..ops.memory import DEFAULT_POLICY
+from ..ops.tokens import channels_last
 
 
 class Conv2dCL(nn.Conv2d):
@@ -28,10 +29,6 @@ class Conv2dCL(nn.Conv2d):
 
     def forward(self, x):
         return self._conv_forward(x, self.weight.to(memory_format=torch.channels_last), self.bias)
-
-
-def _channels_last(x):
-    return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
 
 
 class BatchNorm2d(nn.BatchNorm2d):
@@ -61,7 +58,7 @@ class BatchNorm2d(nn.BatchNorm2d):
             return self._accurate_train_forward(x, path.piece)
         y = super().forward(x)
         if y.requires_grad and x.device.type == 'cpu' and not exporting():
-            fmt = torch.channels_last if _channels_last(x) else torch.contiguous_format
+            fmt = torch.channels_last if channels_last(x) else torch.contiguous_format
             y.register_hook(lambda g: g if g.is_contiguous(memory_format=fmt) else g.contiguous(memory_format=fmt))
         return y
 

@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from .dtypes import HALF_DTYPES, autocast_on
 from .export import exporting
+from .tokens import channels_last
 
 REFERENCE, INFERENCE, TRAIN, CHECKPOINT = 'reference', 'inference', 'train', 'checkpoint'
 
@@ -45,12 +46,12 @@ class Path(NamedTuple):
 class Fast(NamedTuple):
     """What one fast path (inference or train) of an op runs on; outside it `choose` does not take it.
 
-    half: fp16 / bf16 inputs. autocast: under autocast on the input's device. dropout: an active dropout (p > 0, train mode) among the op's
-    modules. train_norm: a BatchNorm in train mode among them. act: a predicate every activation of the op
-    must satisfy (None: any). pieces_only: the path exists only in pieces (whole maps take the reference).
-    input_grad: the path needs the input to require a gradient (train paths whose backward is written for it).
-    devices, dtypes: the device types and dtypes of the input the path runs on (None: any). channels_last: the
-    path needs a channels-last (B, C, H, W) input.
+    half: fp16 / bf16 inputs. autocast: under autocast on the input's device. dropout: an active dropout (p > 0,
+    train mode) among the op's modules. train_norm: a BatchNorm in train mode among them. act: a predicate every
+    activation of the op must satisfy (None: any). pieces_only: the path exists only in pieces (whole maps take the
+    reference). input_grad: the path needs the input to require a gradient (train paths whose backward is written
+    for it). devices, dtypes: the device types and dtypes of the input the path runs on (None: any). channels_last:
+    the path needs a channels-last (B, C, H, W) input.
     """
     half: bool = True
     autocast: bool = True
@@ -122,8 +123,7 @@ def _takes(fast, x, modules, acts):
         return False
     if fast.dtypes is not None and x.dtype not in fast.dtypes:
         return False
-    if fast.channels_last and not (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
-                                   and not x.is_contiguous()):
+    if fast.channels_last and not (x.dim() == 4 and channels_last(x)):
         return False
     return fast.act is None or all(fast.act(a) for a in acts)
 

@@ -17,6 +17,11 @@ class Piece(NamedTuple):
     lo: int
     hi: int
 
+    @property
+    def own(self):
+        """slice(start, stop): the indices the piece owns."""
+        return slice(self.start, self.stop)
+
 
 def piece_length(piece, unit=1, multiple=1):
     """Indices per piece: about `piece` elements at `unit` elements per index, a multiple of `multiple`
@@ -38,4 +43,5 @@ def split(n, piece, unit=1, halo=0, multiple=1):
         list[Piece]: covering [0, n) in order, without overlap of their [start, stop).
     """
     step = n if piece is None else piece_length(piece, unit, multiple)
-    return [Piece(s, min(n, s + step), max(0, s - halo), min(n, s + step + halo)) for s in range(0, n, max(step, 1))]
+    return [Piece(s, min(n, s + step), max(0, s - halo), min(n, s + step + halo))
+            for s in range(0, n, max(step, 1))]

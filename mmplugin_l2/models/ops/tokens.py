@@ -30,6 +30,12 @@ def compiled_map(x):
     return x
 
 
+def channels_last(x):
+    """Whether the map x (B, C, H, W) lies channels-last in memory (and not also contiguous NCHW, as a map
+    with one channel or one pixel does)."""
+    return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+
+
 def map_to_tokens(x):
     """(B, C, H, W) map -> (B, H*W, C) tokens."""
     return x.flatten(2).transpose(1, 2)

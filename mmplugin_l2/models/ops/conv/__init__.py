@@ -10,8 +10,8 @@ from .batch_norm import BatchNormCLFunction
 from .pieces import conv_chain_in_pieces
 from .reference import ConvBNAct, conv_chain_reference, conv_layer
 
-__all__ = ['BATCH_NORM', 'BatchNormCLFunction', 'CONV_CHAIN', 'ConvBNAct', 'chain_modules', 'conv_chain', 'conv_chain_in_pieces', 'conv_chain_reference',
-           'conv_layer']
+__all__ = ['BATCH_NORM', 'BatchNormCLFunction', 'CONV_CHAIN', 'ConvBNAct', 'chain_modules', 'conv_chain',
+           'conv_chain_in_pieces', 'conv_chain_reference', 'conv_layer']
 
 
 #: inference in pieces of rows, not while a BatchNorm of the chain is in train mode (a train-mode norm inside an

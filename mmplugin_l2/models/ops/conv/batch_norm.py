@@ -2,14 +2,14 @@
 `layers.conv.BatchNorm2d`, which runs it where `BATCH_NORM` (in `ops.conv`) says, through `ops.dispatch.choose`."""
 import torch
 
-from ..split import piece_length
+from ..split import split
 
 
 def _row_blocks(piece, *mats):
-    """Pieces of about `piece` elements (None: whole) of rows of (M, C) matrices, zipped (a piece is read from
-    memory once and then worked on in cache)."""
-    rows = mats[0].shape[0] if piece is None else piece_length(piece, mats[0].shape[1])
-    return zip(*(m.split(max(rows, 1)) for m in mats))
+    """Pieces of about `piece` elements (None: whole) of rows of (M, C) matrices (`ops.split`), zipped (a
+    piece is read from memory once and then worked on in cache)."""
+    pieces = split(mats[0].shape[0], piece, unit=mats[0].shape[1])
+    return zip(*([m[p.own] for p in pieces] for m in mats))
 
 
 def _mean_var(rows, piece):
@@ -33,15 +33,15 @@ def _mean_var(rows, piece):
 class BatchNormCLFunction(torch.autograd.Function):
     """Train-mode batch normalisation of a channels-last fp32 map with accurate batch statistics.
 
-    x (B, C, H, W), channels-last in memory, is a contiguous (M = B*H*W, C) matrix of rows. The statistics
-    are column sums of it, piece by piece of rows (`_mean_var`: the mean and the biased variance, each
-    piece centred on its own mean; `piece` elements per piece, the memory policy's, None: whole). torch 2.14's CPU BatchNorm kernel accumulates channels-last maps row by
-    row in float32 instead: its forward error grows with M (rel. 5e-6 at a detection-sized stage-1 map,
-    against 7e-8 for the same map in NCHW). Through a ReLU that follows, such errors flip activations near
-    zero, and they decide how far fp32 training gradients are from float64.
+    x (B, C, H, W), channels-last in memory, is a contiguous (M = B*H*W, C) matrix of rows. The statistics are
+    column sums of it, piece by piece of rows (`_mean_var`: the mean and the biased variance, each piece centred on
+    its own mean; `piece` elements per piece, the memory policy's, None: whole). torch 2.14's CPU BatchNorm kernel
+    accumulates channels-last maps row by row in float32 instead: its forward error grows with M (rel. 5e-6 at a
+    detection-sized stage-1 map, against 7e-8 for the same map in NCHW). Through a ReLU that follows, such errors
+    flip activations near zero, and they decide how far fp32 training gradients are from float64.
 
-    forward(x, weight, bias, eps, piece=None) -> (y, mean, var): y = (x - mean) / sqrt(var + eps) * weight + bias like
-    x (channels-last); mean and the biased variance (C,) for the running statistics.
+    forward(x, weight, bias, eps, piece=None) -> (y, mean, var): y = (x - mean) / sqrt(var + eps) * weight
+    + bias like x (channels-last); mean and the biased variance (C,) for the running statistics.
     backward: dx = (dy - mean(dy) - x_hat * mean(dy * x_hat)) * weight / std, dweight = sum(dy * x_hat),
     dbias = sum(dy), with sums over M and x_hat recomputed from the saved input (as torch's kernel: input,
     mean and 1/std are what it keeps). Both passes read x (and dy) from memory as often as torch's kernel.

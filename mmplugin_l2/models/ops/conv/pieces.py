@@ -14,11 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from ..split import split
+from ..tokens import channels_last
 from .reference import norm_act
-
-
-def _channels_last(x):
-    return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
 
 
 def _geometry(conv):
@@ -29,7 +26,7 @@ def _layer_rows(layer, x, top, bottom):
     """One layer on a piece of input rows, `top` / `bottom` zero rows added first (channels-last pad); a conv
     with `kernel_channels_last` (`layers.conv.Conv2dCL`) gets its kernel channels-last."""
     conv = layer.conv
-    if (top or bottom) and _channels_last(x):
+    if (top or bottom) and channels_last(x):
         x = F.pad(x.permute(0, 2, 3, 1), (0, 0, 0, 0, top, bottom)).permute(0, 3, 1, 2)
     elif top or bottom:
         x = F.pad(x, (0, 0, top, bottom))
@@ -82,6 +79,6 @@ def conv_chain_in_pieces(layers, x, piece, pre=None):
             t = _layer_rows(layer, t, top, bottom)
         if out is None:
             out = torch.empty(t.shape[:2] + (heights[-1], widths[-1]), dtype=t.dtype, device=t.device,
-                              memory_format=torch.channels_last if _channels_last(t) else torch.contiguous_format)
+                              memory_format=torch.channels_last if channels_last(t) else torch.contiguous_format)
         out[:, :, o0:o1] = t
     return out

@@ -15,7 +15,7 @@ from .reference import apply_map, deviation_map, in_scale, softmax_map, sum_sq
 def query_pieces(q, n_keys, piece):
     """The pieces of EMSA's queries as slices of N: about `piece` entries of the (B, h, N, N') map each."""
     b, h, n, _ = q.shape
-    return [slice(p.start, p.stop) for p in split(n, piece, unit=b * h * n_keys)]
+    return [p.own for p in split(n, piece, unit=b * h * n_keys)]
 
 
 def emsa_in_pieces(q, kc, v, weight, scale, eps, pieces):

@@ -8,7 +8,8 @@ from .pieces import linear_attention_in_pieces
 from .reference import fp32_reduce_context, linear_attention_reference
 from .train import LinearAttentionCore
 
-__all__ = ['LINEAR_ATTENTION', 'LINEAR_ATTENTION_HALF_SUMS', 'LinearAttentionCore', 'linear_attention', 'linear_attention_in_pieces', 'linear_attention_reference']
+__all__ = ['LINEAR_ATTENTION', 'LINEAR_ATTENTION_HALF_SUMS', 'LinearAttentionCore', 'linear_attention',
+           'linear_attention_in_pieces', 'linear_attention_reference']
 
 
 #: inference works in pieces only (whole maps: the reference); the train function takes any dtype

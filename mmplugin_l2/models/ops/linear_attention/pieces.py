@@ -31,7 +31,7 @@ def linear_attention_in_pieces(x, qkv, proj, temperature, num_heads, clamp_min, 
     """
     b, n, c = x.shape
     d = c // num_heads
-    pieces = [slice(p.start, p.stop) for p in split(n, piece, unit=b * c)]
+    pieces = [p.own for p in split(n, piece, unit=b * c)]
     fp32, reduce_ctx = fp32_reduce_context(x, fp32_reduce)
     heads = [slice(h * d, (h + 1) * d) for h in range(num_heads)]
     ksum, kv, out = [None] * num_heads, [None] * num_heads, None

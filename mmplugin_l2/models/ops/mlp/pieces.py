@@ -48,11 +48,11 @@ def mlp_inference(x, fc1, fc2, piece=None, norm=None):
     x2 = x.reshape(-1, c)
     out2 = None
     for p in split(x2.shape[0], piece, unit=c):
-        t = x2[p.start:p.stop] if norm is None else norm(x2[p.start:p.stop])
+        t = x2[p.own] if norm is None else norm(x2[p.own])
         u = gelu_(fc1(t))
         if out2 is None:
             out2 = u.new_empty(x2.shape[0], fc2.out_features)
-        linear_into(out2[p.start:p.stop], u, fc2.weight, fc2.bias)
+        linear_into(out2[p.own], u, fc2.weight, fc2.bias)
     return out2.view(x.shape[:-1] + (fc2.out_features,))
 
 

@@ -31,7 +31,7 @@ class NormMlpFunction(torch.autograd.Function):
         c = x.shape[-1]
         x2 = x.reshape(-1, c)
         m = x2.shape[0]
-        pieces = [slice(p.start, p.stop) for p in split(m, piece, unit=c)]
+        pieces = [p.own for p in split(m, piece, unit=c)]
         h, y = x2.new_empty(m, w1.shape[0]), x2.new_empty(m, w2.shape[0])
         mean, rstd = x2.new_empty(m, 1), x2.new_empty(m, 1)
         for r in pieces:
@@ -123,10 +123,10 @@ class ConvMlpFunction(torch.autograd.Function):
 
 class ConvMlpPiecesFunction(torch.autograd.Function):
     """`ConvMlpFunction` with `keep_fc1`, piece by piece of map rows of about `piece` elements of x (the memory
-    policy's training pieces on the policy's devices, as `ops.dispatch.choose` picks them): fc1 runs on the whole map (its output h is
-    kept), everything after it per piece with one halo row above and below for the 3x3 conv, so GELU(h), the
-    conv output, the second GELU and, in backward, their gradients are piece-sized temporaries in cache.
-    Backward collects d(GELU1 output) over the pieces in one (B, H, W, rC) buffer (a piece's conv gradient
+    policy's training pieces on the policy's devices, as `ops.dispatch.choose` picks them): fc1 runs on the whole
+    map (its output h is kept), everything after it per piece with one halo row above and below for the 3x3 conv, so
+    GELU(h), the conv output, the second GELU and, in backward, their gradients are piece-sized temporaries in
+    cache. Backward collects d(GELU1 output) over the pieces in one (B, H, W, rC) buffer (a piece's conv gradient
     reaches its halo rows), then runs fc1's backward on the whole map. Same output and input gradient as
     `ConvMlpFunction` up to rounding; the conv and fc2 parameter gradients are sums over the pieces."""
 

@@ -7,8 +7,9 @@ from .pieces import window_attention_in_pieces
 from .reference import (MAX_SDPA_BATCH_HEADS, padding_key_mask, sdpa_batch_slices, sdpa_in_slices,
                         window_attention_reference, window_partition, window_reverse)
 
-__all__ = ['MAX_SDPA_BATCH_HEADS', 'WINDOW_ATTENTION', 'padding_key_mask', 'sdpa_batch_slices', 'sdpa_in_slices', 'window_attention',
-           'window_attention_in_pieces', 'window_attention_reference', 'window_partition', 'window_reverse']
+__all__ = ['MAX_SDPA_BATCH_HEADS', 'WINDOW_ATTENTION', 'padding_key_mask', 'sdpa_batch_slices', 'sdpa_in_slices',
+           'window_attention', 'window_attention_in_pieces', 'window_attention_reference', 'window_partition',
+           'window_reverse']
 
 
 #: inference in pieces of window rows (whole maps: the reference); no train path

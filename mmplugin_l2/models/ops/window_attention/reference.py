@@ -7,6 +7,7 @@ attention (every window holds at least one real token: the padding is less than 
 import torch
 import torch.nn.functional as F
 
+from ..split import piece_length, split
 from ..tokens import padding_to_multiple
 from ..export import exporting
 
@@ -22,10 +23,9 @@ def sdpa_batch_slices(batch, heads):
     compiling = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
     if exporting() and not compiling:
         return [slice(None)]
-    per = max(1, MAX_SDPA_BATCH_HEADS // heads)
-    if batch <= per:
+    if batch <= piece_length(MAX_SDPA_BATCH_HEADS, unit=heads):
         return [slice(None)]
-    return [slice(i, min(i + per, batch)) for i in range(0, batch, per)]
+    return [p.own for p in split(batch, MAX_SDPA_BATCH_HEADS, unit=heads)]
 
 
 def sdpa_in_slices(q, k, v, attn_mask=None, scale=None):
