@@ -63,7 +63,7 @@ extras = {
     'mmseg': [MMCV, 'mmsegmentation>=1.0.0,<1.3.0', 'ftfy', 'regex'],
     'mmpretrain': [MMCV, 'mmpretrain>=1.0.0,<1.3.0'],
     'onnx': ['onnx', 'onnxruntime', 'onnxscript'],
-    'tests': ['pytest', 'pyyaml'],
+    'tests': ['pytest', 'pytest-xdist', 'pyyaml'],
     'mim': ['openmim'],
     'vis': ['grad-cam>=1.3.6,<1.5', 'matplotlib'],   # docs/visualization.md (vis_cam.py needs < 1.5)
 }

@@ -1,3 +1,4 @@
+import os
 import os.path as osp
 import sys
 
@@ -10,7 +11,15 @@ if ROOT not in sys.path:
 
 import mmplugin_l2  # noqa: E402,F401
 
-torch.set_num_threads(2)
+#: cores per process: 2 in one process; under pytest-xdist the cores shared out among the workers
+WORKERS = int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', '1'))
+torch.set_num_threads(2 if WORKERS == 1 else max(1, (os.cpu_count() or 1) // WORKERS))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pytest.ini): one worker per core, at most 4 (the real-size tests need a few GB each)."""
+    return max(1, min(os.cpu_count() or 1, 4))
+
 
 #: a narrow H-ViT3 for tests where the architecture, not the width, is the point
 TINY_HVIT3 = dict(embed_dims=[16, 32, 64, 64], depths=[1, 1, 2, 1], num_heads=[1, 1, 2, 2])

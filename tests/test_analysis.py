@@ -61,9 +61,14 @@ def test_flops_count_the_model_not_its_row_bands():
 
 
 def test_hvit3_t_classifier_flops_match_the_paper(tmp_path):
-    """Paper / authors' fvcore count for H-ViT3-T at 224x224: 4.90 GMACs (4.903 without norms)."""
+    """Paper / authors' fvcore count for H-ViT3-T at 224x224: 4.90 GMACs (4.903 without norms). get_flops.py's
+    main in this process (the script itself runs above): its default input for the config, its JSON."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location('_get_flops_cli', f'{ROOT}/tools/analysis/get_flops.py')
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
     out = tmp_path / 'f.json'
-    get_flops(f'{ROOT}/configs/mmpretrain/hvit3_t_in1k.py', '--json', out)
+    cli.main([f'{ROOT}/configs/mmpretrain/hvit3_t_in1k.py', '--json', str(out)])
     res = json.loads(out.read_text())
     assert abs(res['model']['flops'] / 1e9 - 4.903) / 4.903 < 0.01
     assert res['model']['params'] == 28_703_560
@@ -138,9 +143,11 @@ def test_model_names_and_authors_entries_need_their_checkout(tmp_path, capsys, m
                                                                            (2048, 2048)]
 
 
-def test_every_kind_runs_in_a_subprocess_and_lands_in_the_results_file(tmp_path):
-    """`run` at 32x32, one round: infer and train of two models, and maxbatch of one, each in a fresh process;
-    then `render` writes the page section and the plot, and `render --check` agrees with it."""
+def test_every_kind_runs_in_a_subprocess_and_lands_in_the_results_file(tmp_path, capsys):
+    """`run` at 32x32, one round: infer and train of two models, each in a fresh process; maxbatch of one, its
+    probes and its measurement at the batch found each through `run`'s runner (the fresh process above; here one
+    that measures in this process and records its calls); then `render` writes the page section and the plot,
+    and `render --check` agrees with it (the script's main in this process)."""
     out = tmp_path / 'sub' / 'r.json'
     r = subprocess.run([sys.executable, f'{ROOT}/tools/analysis/benchmark.py', 'run', '--models', 'vit3_t', 'deit_t',
                         '--sizes', '32', '--kinds', 'infer', 'train', '--rounds', '1', '--warmup', '0', '--iters', '1',
@@ -160,24 +167,29 @@ def test_every_kind_runs_in_a_subprocess_and_lands_in_the_results_file(tmp_path)
     from mmplugin_l2.analysis import benchmark as bm
     spec = dict(model='vit3_t', kind='maxbatch', size=[32, 32], round=0, batch=1, warmup=0, iters=1,
                 device='cpu', budget_mb=1e6, max_batch=2)
-    mb = bm.run([spec], {}, str(tmp_path / 'm.json'), log=lambda s: None)['samples'][0]
+    calls = []
+
+    def runner(s, timeout=None):
+        calls.append((s['kind'], s['batch'], s['warmup'], s['iters']))
+        return bm.measure(s)
+    mb = bm.run([spec], {}, str(tmp_path / 'm.json'), log=lambda s: None, runner=runner)['samples'][0]
+    assert calls == [('infer', 1, 0, 1), ('infer', 2, 0, 1), ('infer', 2, 0, 1)]  # the probes, then the batch found
     assert mb['kind'] == 'maxbatch' and mb['batch'] == 2 and mb['throughput'] > 0
     assert set(mb['probes']) == {'1', '2'} and json.loads((tmp_path / 'm.json').read_text())['samples'] == [mb]
     doc = tmp_path / 'page.md'
     doc.write_text(f'# title\n\n{bm.BEGIN}\nold\n{bm.END}\n\nafter\n')
     png = tmp_path / 'p.png'
-    cmd = [sys.executable, f'{ROOT}/tools/analysis/benchmark.py', 'render', str(out), '--doc', str(doc)]
-    r = subprocess.run(cmd + ['--plot', str(png)], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    cli = _cli()
+    cmd = ['render', str(out), '--doc', str(doc)]
+    capsys.readouterr()
+    assert cli.main(cmd + ['--plot', str(png)]) == 0
     text = doc.read_text()
     assert text.startswith('# title\n\n' + bm.BEGIN + '\n') and text.endswith(bm.END + '\n\nafter\n')
     assert 'Smoke run, not a benchmark' in text and '| ViT3-T | 1 |' in text and 'old' not in text
     assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
-    r = subprocess.run(cmd + ['--check'], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert r.returncode == 0 and 'up to date' in r.stdout
+    assert cli.main(cmd + ['--check']) == 0 and 'up to date' in capsys.readouterr().out
     doc.write_text(text.replace('| ViT3-T | 1 |', '| ViT3-T | 2 |'))
-    r = subprocess.run(cmd + ['--check'], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert r.returncode == 1 and 'differs' in r.stdout
+    assert cli.main(cmd + ['--check']) == 1 and 'differs' in capsys.readouterr().out
 
 
 def test_a_failed_measurement_is_a_sample_with_its_error():
@@ -268,6 +280,98 @@ def test_committed_page_is_render_of_the_committed_results():
     with open(f'{ROOT}/docs/benchmark.md') as f:
         doc = f.read()
     assert bm.replace_section(doc, bm.render(res)) == doc
+
+
+# ---- precisions of the benchmark (run --precision) ------------------------------------------------------------
+
+def test_schedule_measures_every_precision_and_the_flag_is_checked(tmp_path, capsys):
+    """Per round, per (kind, size, batch, precision) every model once, in the round's order; a spec names its
+    precision unless fp32. `--precision` takes several names (repeats dropped) and refuses others by name."""
+    from mmplugin_l2.analysis import benchmark as bm
+    specs = bm.schedule(['a', 'b'], [(32, 32)], [1], ['infer', 'train'], 2, ['fp32', 'bf16'])
+    assert len(specs) == 2 * 2 * 2 * 2
+    got = [(s['round'], s['kind'], bm.sample_precision(s), s['model']) for s in specs]
+    assert got[:8] == [(0, 'infer', 'fp32', 'a'), (0, 'infer', 'fp32', 'b'), (0, 'infer', 'bf16', 'a'),
+                       (0, 'infer', 'bf16', 'b'), (0, 'train', 'fp32', 'a'), (0, 'train', 'fp32', 'b'),
+                       (0, 'train', 'bf16', 'a'), (0, 'train', 'bf16', 'b')]
+    assert [m for r, _, _, m in got if r == 1][:2] == ['b', 'a']           # the order rotates between rounds
+    assert all('precision' not in s for s in specs if bm.sample_precision(s) == 'fp32')
+    assert bm.schedule(['a'], [(32, 32)], [1], ['infer'], 1) == [dict(model='a', kind='infer', size=[32, 32],
+                                                                      batch=1, round=0)]
+    cli = _cli()
+    out = str(tmp_path / 'r.json')
+    assert cli.parse_args(['run', '--out', out]).precision == ['fp32']
+    assert cli.parse_args(['run', '--out', out, '--precision', 'bf16', 'fp32', 'bf16']).precision == ['bf16', 'fp32']
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(['run', '--out', out, '--precision', 'fp32', 'fp8'])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--precision: invalid choice: 'fp8'" in err and "'tf32', 'bf16', 'fp16'" in err
+
+
+def test_render_keeps_precisions_apart():
+    """bf16 / fp16 samples never pool with fp32 ones (nor with each other): `summarize` keys them apart (a sample
+    saying 'fp32' pools with those saying nothing), `render` makes one set of tables per precision, each with its
+    own ratios; a results file of fp32 samples only renders as it always did."""
+    from mmplugin_l2.analysis import benchmark as bm
+    fp32 = []
+    for rnd in range(3):
+        fp32 += [_sample('vit3_t', 'infer', (224, 224), rnd, 10. + rnd, 100),
+                 _sample('deit_t', 'infer', (224, 224), rnd, 20., 90),
+                 _sample('vit3_t', 'train', (224, 224), rnd, 100., 50)]
+    fp32[-1]['precision'] = 'fp32'
+    half = [dict(_sample('vit3_t', 'infer', (224, 224), 0, 4., 60), precision='bf16'),
+            dict(_sample('deit_t', 'infer', (224, 224), 0, 16., 60), precision='bf16'),
+            dict(_sample('vit3_t', 'infer', (224, 224), 0, 7., 60), precision='fp16')]
+    base = dict(format=bm.FORMAT, env=dict(device='cpu', torch='t'), config=dict(rounds=3))
+    summ = bm.summarize(fp32 + half)
+    assert summ[('vit3_t', 'infer', '224x224', 1, 'fp32')]['latency_ms'] == (11., 10., 12.)
+    assert summ[('vit3_t', 'infer', '224x224', 1, 'bf16')]['latency_ms'] == (4., 4., 4.)
+    assert summ[('vit3_t', 'infer', '224x224', 1, 'fp16')]['latency_ms'] == (7., 7., 7.)
+    assert summ[('vit3_t', 'train', '224x224', 1, 'fp32')]['rounds'] == 3
+    old = bm.render(dict(base, samples=fp32))
+    assert '### Inference' in old and '### fp32' not in old and 'autocast' not in old
+    md = bm.render(dict(base, samples=fp32 + half))
+    assert md.index('### fp32\n') < md.index('### bf16 autocast\n') < md.index('### fp16 autocast\n')
+    fp32_part = md[md.index('### fp32\n'):md.index('### bf16 autocast\n')]
+    bf16_part = md[md.index('### bf16 autocast\n'):md.index('### fp16 autocast\n')]
+    fp16_part = md[md.index('### fp16 autocast\n'):]
+    assert fp32_part.replace('### fp32\n\n', '').replace('#### ', '### ').rstrip() in old      # the same tables
+    assert '| ViT3-T | 1 | 11 (10–12) |' in fp32_part and '| ViT3-T | 1 | 4 |' in bf16_part
+    assert '| ViT3-T | 1 | 7 |' in fp16_part and '| ViT3-T | 1 | 4 |' not in fp32_part + fp16_part
+    assert '| ViT3-T vs DeiT-T (mmpretrain) | 1 | 224×224 | 1.82×' in fp32_part
+    assert '| ViT3-T vs DeiT-T (mmpretrain) | 1 | 224×224 | 4.00×' in bf16_part
+    assert 'vs' not in fp16_part and '**Step time' not in bf16_part   # nothing to compare / measured
+    one = bm.render(dict(base, samples=half[:2]))
+    assert 'Precision of every sample: bf16 autocast.' in one and '### Inference' in one
+    assert bm.plot_precision(dict(samples=half)) == 'bf16' and bm.plot_precision(dict(samples=fp32 + half)) == 'fp32'
+    assert bm.plot_title(dict(base, samples=half)).endswith(' - bf16 autocast')
+
+
+def test_committed_results_render_unchanged_in_fp32():
+    """docs/benchmark_results.json (written before precisions existed): every sample counts as fp32."""
+    from mmplugin_l2.analysis import benchmark as bm
+    with open(f'{ROOT}/docs/benchmark_results.json') as f:
+        res = json.load(f)
+    assert bm.precisions_of(res['samples']) == ['fp32'] and bm.plot_precision(res) == 'fp32'
+    assert all(k[4] == 'fp32' for k in bm.summarize(res['samples']))
+
+
+def test_run_with_two_precisions_measures_and_renders_each(tmp_path):
+    """`run --precision fp32 bf16` (one model, 32x32, inference, one round): a bf16 sample beside the fp32 one,
+    and `render` heads a set of tables for each."""
+    out = tmp_path / 'r.json'
+    r = subprocess.run([sys.executable, f'{ROOT}/tools/analysis/benchmark.py', 'run', '--models', 'vit3_t',
+                        '--sizes', '32', '--kinds', 'infer', '--precision', 'fp32', 'bf16', '--rounds', '1',
+                        '--warmup', '0', '--iters', '1', '--smoke', '--out', str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res['config']['precisions'] == ['fp32', 'bf16']
+    assert [(s['kind'], s.get('precision')) for s in res['samples']] == [('infer', None), ('infer', 'bf16')]
+    assert all('error' not in s and s['latency_ms'] > 0 for s in res['samples'])
+    from mmplugin_l2.analysis import benchmark as bm
+    md = bm.render(res)
+    assert '### fp32' in md and '### bf16 autocast' in md and md.count('| ViT3-T | 1 |') >= 4   # latency, throughput
 
 
 # ---- benchmark against the authors' code (tools/analysis/benchmark.py --authors-code) --------------------
@@ -405,11 +509,14 @@ def test_fresh_process_runner_keeps_results_printed_before_a_failure():
     code = ('from mmplugin_l2.analysis.measure import emit\nimport time, sys\nemit({"a": 1})\n'
             'mode = sys.argv[1]\nif mode == "raise": raise KeyError("boom")\n'
             'if mode == "hang": time.sleep(60)\nemit({"b": 2})')
-    assert run_fresh(['-c', code, 'ok']) == ([{'a': 1}, {'b': 2}], None)
-    res, fail = run_fresh(['-c', code, 'raise'])
-    assert res == [{'a': 1}] and fail.startswith('exit status 1\n') and 'Traceback' in fail
-    assert failure_line(fail) == "KeyError: 'boom'"
-    res, fail = run_fresh(['-c', code, 'hang'], timeout=5)
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(1) as pool:  # the hang's 5 s run beside the other two processes, not after them
+        hang = pool.submit(run_fresh, ['-c', code, 'hang'], timeout=5)
+        assert run_fresh(['-c', code, 'ok']) == ([{'a': 1}, {'b': 2}], None)
+        res, fail = run_fresh(['-c', code, 'raise'])
+        assert res == [{'a': 1}] and fail.startswith('exit status 1\n') and 'Traceback' in fail
+        assert failure_line(fail) == "KeyError: 'boom'"
+        res, fail = hang.result()
     assert res == [{'a': 1}] and failure_line(fail) == 'timed out after 5 s'
 
 
@@ -453,6 +560,32 @@ def test_roofline_times_a_layer_run_inside_another_once():
     assert in_layers <= prof['seconds']
     norms = [s for g, s in prof['layers'].items() if g.endswith('/ LayerNorm')]
     assert norms and all(s['calls'] > 0 for s in norms)
+
+
+def test_roofline_bf16_peak_and_a_model_under_autocast(tmp_path):
+    """The bf16 matmul peak beside the fp32 one; `--precision bf16` runs the model under bf16 autocast (its
+    layers' outputs in bf16) and reports its share of the bf16 peak."""
+    import importlib.util
+
+    import torch
+    from conftest import TINY_HVIT3
+    from mmplugin_l2.analysis import roofline as rl
+    from mmplugin_l2.models.backbones import HViT3
+    assert rl.peak_matmul(n=256, iters=2, prec='bf16') > 1e6
+    with pytest.raises(ValueError, match='allowed: fp32, tf32, bf16, fp16'):
+        rl.peak_matmul(n=8, prec='int8')
+    model, x = HViT3(arch=TINY_HVIT3), torch.randn(1, 3, 64, 64)
+    fp32, bf16 = rl.profile_layers(model, x), rl.profile_layers(model, x, 'bf16')
+    assert bf16['macs'] == fp32['macs'] and bf16['seconds'] > 0
+    assert sum(s['bytes'] for s in bf16['layers'].values()) < sum(s['bytes'] for s in fp32['layers'].values())
+    spec = importlib.util.spec_from_file_location('_roofline_cli', f'{ROOT}/tools/analysis/roofline.py')
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    summary = cli.main(['--models', 'hvit3_t', '--size', '64', '--tiny', '--precision', 'bf16', '--train',
+                        '--device', 'cpu', '--out-dir', str(tmp_path)])
+    assert summary['precision'] == 'bf16' and set(summary['peaks_gmacs']) == {'fp32', 'bf16'}
+    assert summary['peak_gmacs'] == summary['peaks_gmacs']['bf16'] and 'bf16 autocast' in summary['title']
+    assert summary['models']['hvit3_t']['train_gmacs'] > 0 and (tmp_path / 'roofline.png').is_file()
 
 
 def test_merge_pools_runs_and_render_names_each(tmp_path):
@@ -530,3 +663,55 @@ def test_cfg_options_nest_and_reach_the_backbone():
     assert {mod.memory_policy.max_elems for mod in m.modules() if hasattr(mod, 'memory_policy')} == {4096}
     with pytest.raises(TypeError):
         build('rest_s', dict(no_such_argument=1), tiny=True)
+
+
+# ---- per-op profile (tools/analysis/profile_ops.py) ---------------------------------------------------------
+
+def test_op_profile_names_each_ops_path_and_the_dtypes_its_products_ran_in():
+    """A tiny H-ViT3 training step under bf16 autocast: every op that called `choose` is a row with the Path it
+    got, forward and backward time land on the ops, autocast's matrix products show bf16 (fp32 ones where a layer
+    picks fp32 itself); in fp32 every product is fp32; `choose` is restored afterwards."""
+    import torch
+    from mmplugin_l2.analysis import opprofile
+    from mmplugin_l2.analysis.models import build
+    from mmplugin_l2.models import ops
+    from mmplugin_l2.models.layers import mlp
+    orig = ops.dispatch.choose
+    model, x = build('hvit3_t', tiny=True), torch.randn(1, 3, 64, 64)
+    res = opprofile.profile_ops(model, x, 'train', 'bf16', warmup=0)
+    assert ops.choose is orig and mlp.choose is orig
+    rows = {r['op']: r for r in res['rows']}
+    dispatched = [r for r in res['rows'] if r['paths']]
+    assert dispatched and all(r['calls'] > 0 for r in dispatched)
+    paths = {p.split(': ', 1)[1].split(' ×')[0] for r in dispatched for p in r['paths']}
+    assert paths & {'train', 'checkpoint', 'reference'}, paths
+    assert any('·' in k for k in rows) and ('other' not in rows or res['rows'][-1]['op'] == 'other')
+    assert sum(r['backward_ms'] for r in res['rows'] if r['op'] != 'other') > 0
+    assert res['instrumented']['forward_ms'] > 0 and res['plain']['backward_ms'] > 0
+    dtypes = opprofile.product_dtypes(res)
+    assert dtypes.get('bf16', 0) > 0, dtypes
+    fwd_bf16 = [r for r in res['rows'] if any(k.endswith(' bf16') for k in r['products']['fwd'])]
+    bwd_bf16 = [r for r in res['rows'] if any(k.endswith(' bf16') for k in r['products']['bwd'])]
+    assert fwd_bf16 and bwd_bf16
+    md = opprofile.table(res)
+    assert md.count('\n| ') == len(res['rows']) + 1 and '| op | calls | path | forward ms | backward ms |' in md
+    fp32 = opprofile.profile_ops(model, x, 'train', 'fp32', warmup=0)
+    assert set(opprofile.product_dtypes(fp32)) == {'fp32'}
+    infer = opprofile.profile_ops(model, x, 'infer', 'bf16', warmup=0, by='module')
+    assert all(r['backward_ms'] == 0 and not r['products']['bwd'] for r in infer['rows'])
+    assert any(': inference' in p or ': reference' in p for r in infer['rows'] for p in r['paths'])
+    assert 'backward ms' not in opprofile.table(infer)
+
+
+def test_profile_ops_tool_prints_the_table(tmp_path):
+    out = tmp_path / 'p.json'
+    r = subprocess.run([sys.executable, f'{ROOT}/tools/analysis/profile_ops.py', '--model', 'rest_s', '--tiny',
+                        '--size', '64', '--precision', 'bf16', '--kind', 'train', '--warmup', '0', '--out', str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert 'rest_s (tiny) 64x64, batch 1, train, bf16 autocast' in r.stdout and '| op | calls | path |' in r.stdout
+    res = json.loads(out.read_text())
+    assert res['precision'] == 'bf16' and res['rows'] and res['model'] == 'rest_s'
+    r = subprocess.run([sys.executable, f'{ROOT}/tools/analysis/profile_ops.py', '--precision', 'fp8'],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 2 and "invalid choice: 'fp8'" in r.stderr

@@ -6,11 +6,11 @@
 #
 #   torch 2.14.1 / torchvision 0.29.1 (a torch you already have is kept), mmengine 0.10.7,
 #   mmcv 2.1.0 with compiled ops, mmdet 3.3.0, mmsegmentation 1.2.2, mmpretrain 1.2.0, pycocotools,
-#   onnx / onnxruntime / onnxscript (ONNX export), openmim, grad-cam, timm, pytest, pyyaml; then this checkout as a development
+#   onnx / onnxruntime / onnxscript (ONNX export), openmim, grad-cam, timm, pytest, pytest-xdist, pyyaml; then this checkout as a development
 #   install that `mim search / train / test mmplugin_l2` and `_base_ = 'mmplugin_l2::...'` find.
 #
 # "Installed" (checked in a few seconds, then nothing is done; --force reinstalls): mmdet, mmseg, mmpretrain,
-# mmcv 2.1.0 with mmcv.ops, onnxruntime, pycocotools, mim, pytest, grad-cam and timm import, `import mmplugin_l2` finds
+# mmcv 2.1.0 with mmcv.ops, onnxruntime, pycocotools, mim, pytest (with xdist), grad-cam and timm import, `import mmplugin_l2` finds
 # this checkout (not another copy) and so does mim (the distribution's location). tools/demo.sh and
 # tools/run_tests.sh call this script first.
 #
@@ -28,7 +28,7 @@ stack_installed() {
   # run outside the checkout, so that `import mmplugin_l2` cannot succeed just because it is the cwd
   (cd / && "$PY" - "$here" <<'PY' 2>/dev/null
 import os.path as osp, sys
-import mmcv, mmcv.ops, mmdet, mmseg, mmpretrain, onnxruntime, pycocotools, mim, pytest, pytorch_grad_cam, timm  # noqa: F401
+import mmcv, mmcv.ops, mmdet, mmseg, mmpretrain, onnxruntime, pycocotools, mim, pytest, xdist, pytorch_grad_cam, timm  # noqa: F401
 import mmplugin_l2
 assert mmcv.__version__ == '2.1.0', mmcv.__version__
 assert osp.samefile(osp.dirname(mmplugin_l2.__file__), osp.join(sys.argv[1], 'mmplugin_l2'))
@@ -59,7 +59,7 @@ if ! "$PY" -c "import torch, torchvision" 2>/dev/null; then
   "$PY" -m pip install torch==2.14.1 torchvision==0.29.1
 fi
 "$PY" -m pip install 'setuptools>=77.0.3,<82' wheel ninja 'numpy>=2' 'mmengine==0.10.7' pycocotools ftfy regex \
-  scipy shapely terminaltables matplotlib pytest pyyaml
+  scipy shapely terminaltables matplotlib pytest pytest-xdist pyyaml
 
 if ! "$PY" -c "import mmcv, mmcv.ops; assert mmcv.__version__ == '2.1.0'" 2>/dev/null; then
   echo "[install 2/3] mmcv 2.1.0 with ops (a prebuilt wheel from PIP_FIND_LINKS, else a source build of many minutes)..."

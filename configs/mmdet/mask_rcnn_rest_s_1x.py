@@ -5,34 +5,13 @@
 _base_ = [
     'mmdet::_base_/models/mask-rcnn_r50_fpn.py',
     './_base_/datasets/coco_instance.py',
-    './_base_/schedules/rest_adamw_1x.py',  # AdamW 1e-4, no decay on norms, 1x steps, warm-up 1000, fp32
-    'mmdet::_base_/default_runtime.py',
+    './_base_/rest_detection.py',  # the solver (AdamW 1e-4, 1x steps, warm-up 1000, fp32), runtime, plugin import
 ]
-custom_imports = dict(imports=['mmplugin_l2'], allow_failed_imports=False)
 
+# The ResT-Small backbone (all four stages) and pixel normalisation of rest_detection.py in place of ResNet-50's.
 model = dict(
-    # Pixel normalisation: the ImageNet RGB mean/std the pretrained weights were trained with. The authors'
-    # v1 yamls set none and so ran detectron2's default (BGR input, mean [103.53, 116.28, 123.675],
-    # std [1, 1, 1]), which the author later called "a mistake" (ResTv2 retinanet yaml). Their v1 numbers
-    # were most likely produced that way; to replicate it, set mean=[103.53, 116.28, 123.675],
-    # std=[1., 1., 1.], bgr_to_rgb=False. Padding to 32 as the detectron2 FPN.
-    data_preprocessor=dict(mean=[123.675, 116.28, 103.53], std=[58.395, 57.12, 57.375], bgr_to_rgb=True,
-                           pad_size_divisor=32),
-    backbone=dict(
-        _delete_=True,
-        type='ResT',
-        arch='small',
-        drop_path_rate=0.1,  # the authors' detection value (0.1 lite/small, 0.2 base/large)
-        out_indices=(0, 1, 2, 3),
-        # As the authors: nothing frozen, BatchNorms (stem, patch embeddings) train in train mode.
-        frozen_stages=-1,
-        norm_eval=False,
-        # Output LayerNorms on the side branch (the paper, mmdet): all stages see the pretrained features.
-        # norm_in_path=True puts them in the main path as the authors' detectron2 backbone does.
-        norm_in_path=False,
-        with_cp=False,  # the attention maps are already chunked with recomputation (attn_chunk_elems)
-        # The authors' ImageNet checkpoint ({'model': ...}), converted on load (`norm` -> norm3, head dropped).
-        init_cfg=dict(type='Pretrained', checkpoint='{{$MMPLUGIN_L2_PRETRAINED:data/pretrained}}/rest_small.pth')),
+    data_preprocessor=_base_._rest_data_preprocessor,
+    backbone=dict(_base_._rest_backbone, _delete_=True),
     neck=dict(in_channels=[64, 128, 256, 512]))
 
 # Data: the detectron2 Mask R-CNN base crops a relative 0.9 x 0.9 window before the resize (boxes recomputed

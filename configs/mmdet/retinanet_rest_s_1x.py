@@ -5,27 +5,15 @@
 _base_ = [
     'mmdet::_base_/models/retinanet_r50_fpn.py',
     './_base_/datasets/coco_detection.py',
-    './_base_/schedules/rest_adamw_1x.py',  # AdamW 1e-4, no decay on norms, 1x steps, warm-up 1000, fp32
-    'mmdet::_base_/default_runtime.py',
+    './_base_/rest_detection.py',  # the solver (AdamW 1e-4, 1x steps, warm-up 1000, fp32), runtime, plugin import
 ]
-custom_imports = dict(imports=['mmplugin_l2'], allow_failed_imports=False)
 
+# The ResT-Small backbone and pixel normalisation of rest_detection.py in place of ResNet-50's (ImageNet RGB
+# mean/std; the authors' v1 BGR default is described there), returning stages 2-4 (strides 8, 16, 32) as the
+# authors' RetinaNet.
 model = dict(
-    # ImageNet RGB mean/std of the pretrained weights. The authors' v1 yamls ran detectron2's default (BGR,
-    # mean [103.53, 116.28, 123.675], std 1), later called "a mistake" by the author; see mask_rcnn_rest_s_1x.py.
-    data_preprocessor=dict(mean=[123.675, 116.28, 103.53], std=[58.395, 57.12, 57.375], bgr_to_rgb=True,
-                           pad_size_divisor=32),
-    backbone=dict(
-        _delete_=True,
-        type='ResT',
-        arch='small',
-        drop_path_rate=0.1,
-        out_indices=(1, 2, 3),  # stages 2-4 (strides 8, 16, 32), as the authors' RetinaNet
-        frozen_stages=-1,
-        norm_eval=False,
-        norm_in_path=False,  # side-branch output LNs; True = the authors' in-path placement
-        with_cp=False,
-        init_cfg=dict(type='Pretrained', checkpoint='{{$MMPLUGIN_L2_PRETRAINED:data/pretrained}}/rest_small.pth')),
+    data_preprocessor=_base_._rest_data_preprocessor,
+    backbone=dict(_base_._rest_backbone, _delete_=True, out_indices=(1, 2, 3)),
     # P3-P5 from stages 2-4, P6/P7 by stride-2 convs on stage 4 with a ReLU before P7 (detectron2's
     # LastLevelP6P7 on "stage4").
     neck=dict(in_channels=[128, 256, 512], start_level=0, add_extra_convs='on_input', relu_before_extra_convs=True,

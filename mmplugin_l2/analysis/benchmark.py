@@ -12,7 +12,9 @@ Kinds:
   its own process), then an `infer` measurement at that batch; batch is the batch found.
 Timing and peak memory are mmplugin_l2/analysis/measure.py's: CUDA torch.cuda.max_memory_allocated() above
 what the model and input held before; CPU the fresh process's peak resident set above its resident set before
-the first iteration. A sample's `precision` (absent: fp32 with TF32 off) is measure.py's.
+the first iteration. A sample's `precision` (absent: fp32 with TF32 off; 'tf32', 'bf16' or 'fp16' autocast) is
+measure.py's; samples of different precisions are never pooled: `summarize` keys them apart and `render` makes one
+set of tables (ratios and crossover included) per precision.
 """
 import json
 import math
@@ -24,7 +26,7 @@ import time
 
 import torch
 
-from .measure import emit, failure_line, measure_infer, run_fresh, train_steps
+from .measure import PRECISIONS, emit, failure_line, measure_infer, run_fresh, train_steps
 from .models import AUTHORS_TAG, MODELS, build, check_name, label  # noqa: F401  (the tools use them from here)
 
 FORMAT = 'mmplugin_l2-benchmark/1'
@@ -44,6 +46,8 @@ PAIRS = [('vit3_t', 'deit_t'), ('vit3_t', 'deit_t_plain'), ('hvit3_t', 'swin_t')
          ('rest_s', 'swin_t'), ('vit3_t', 'deit_t_timm'), ('hvit3_t', 'swin_t_timm'), ('l2vit_t', 'swin_t_timm'),
          ('rest_s', 'swin_t_timm')] + [(m, m + AUTHORS_TAG) for m in ('hvit3_t', 'l2vit_t', 'rest_s')]
 BEGIN, END = '<!-- generated:begin -->', '<!-- generated:end -->'
+#: how the tables head each precision (measure.PRECISIONS)
+PRECISION_TITLES = {'fp32': 'fp32', 'tf32': 'TF32', 'bf16': 'bf16 autocast', 'fp16': 'fp16 autocast'}
 
 
 def parse_size(s):
@@ -77,6 +81,11 @@ def size_key(size):
 def tokens(size, stride=16):
     """Tokens of an H x W image at `stride` (16: a patch-16 ViT, 4: the first stage of the pyramids)."""
     return math.ceil(size[0] / stride) * math.ceil(size[1] / stride)
+
+
+def sample_precision(s):
+    """A sample's (or spec's) precision: its `precision`, 'fp32' when it has none."""
+    return s.get('precision') or 'fp32'
 
 
 def measure(spec):
@@ -118,6 +127,8 @@ def run_subprocess(spec, timeout=None, python=sys.executable):
     exception, a kill by the OS, a timeout)."""
     base = {k: spec[k] for k in ('model', 'kind', 'size', 'batch')}
     base['round'] = spec.get('round', 0)
+    if sample_precision(spec) != 'fp32':
+        base['precision'] = spec['precision']
     samples, failure = run_fresh(['-m', 'mmplugin_l2.analysis.benchmark', json.dumps(spec)], timeout, python)
     if samples:
         return samples[-1]
@@ -157,16 +168,20 @@ def largest_batch(peak_mb, budget_mb, max_batch=1024):
     return lo, probes
 
 
-def schedule(models, sizes, batches, kinds, rounds):
-    """Measurement specs in run order: per round, per (kind, size, batch), every model once; the models' order
-    rotates by one each round, so no model always runs first (or right after the same one)."""
+def schedule(models, sizes, batches, kinds, rounds, precisions=('fp32',)):
+    """Measurement specs in run order: per round, per (kind, size, batch, precision), every model once; the
+    models' order rotates by one each round, so no model always runs first (or right after the same one). A spec
+    names its precision when it is not 'fp32' (measure.PRECISIONS)."""
     out = []
     for r in range(rounds):
         order = models[r % len(models):] + models[:r % len(models)]
         for kind in kinds:
             for size in sizes:
                 for batch in ([1] if kind == 'maxbatch' else batches):
-                    out += [dict(model=m, kind=kind, size=list(size), batch=batch, round=r) for m in order]
+                    for prec in precisions:
+                        extra = {} if prec == 'fp32' else dict(precision=prec)
+                        out += [dict(model=m, kind=kind, size=list(size), batch=batch, round=r, **extra)
+                                for m in order]
     return out
 
 
@@ -218,6 +233,8 @@ def run(specs, common, out_path, results=None, timeout=None, log=print, runner=r
             else:
                 s = dict({k: spec[k] for k in ('model', 'kind', 'size', 'round')}, batch=0,
                          error=f'batch 1 does not fit {spec["budget_mb"]} MB')
+                if sample_precision(spec) != 'fp32':
+                    s['precision'] = spec['precision']
             s.update(budget_mb=spec['budget_mb'], probes={str(k): v for k, v in probes.items()})
         else:
             s = runner(spec, timeout=timeout)
@@ -230,7 +247,8 @@ def run(specs, common, out_path, results=None, timeout=None, log=print, runner=r
 
 def merge(parts):
     """One results dict from several runs' (`parts`, in order): every sample, each tagged with its run's index
-    (`run`), and the runs' env and config under `runs`; a smoke run anywhere makes the whole a smoke run."""
+    (`run`), and the runs' env and config under `runs`; a smoke run anywhere makes the whole a smoke run. `render`
+    pools samples of one model, kind, size, batch and precision across runs as rounds."""
     out = dict(format=FORMAT, smoke=any(p.get('smoke') for p in parts), runs=[], samples=[])
     notes = [p['note'] for p in parts if p.get('note')]
     if notes:
@@ -246,7 +264,8 @@ def merge(parts):
 
 
 def describe(s):
-    head = f'{s["model"]:14s} {s["kind"]:8s} {size_key(s["size"]):>9s} b{s["batch"]:<3d} r{s["round"]}'
+    head = (f'{s["model"]:14s} {s["kind"]:8s} {size_key(s["size"]):>9s} b{s["batch"]:<3d} '
+            f'{sample_precision(s):4s} r{s["round"]}')
     if 'error' in s:
         return f'{head} ERROR {s["error"]}'
     t = s.get('latency_ms') if s['kind'] != 'train' else s.get('step_ms')
@@ -263,12 +282,13 @@ def stat(values):
 
 
 def summarize(samples):
-    """{(model, kind, size_key, batch): {metric: (median, min, max) over rounds, 'errors': [...]}} with the
-    metrics latency_ms, throughput, step_ms, peak_mem_mb (and batch of `maxbatch`)."""
+    """{(model, kind, size_key, batch, precision): {metric: (median, min, max) over rounds, 'errors': [...]}} with
+    the metrics latency_ms, throughput, step_ms, peak_mem_mb (and batch of `maxbatch`); batch 0 for `maxbatch`,
+    precision 'fp32' for a sample without one (`sample_precision`)."""
     groups = {}
     for s in samples:
         groups.setdefault((s['model'], s['kind'], size_key(s['size']), s['batch'] if s['kind'] != 'maxbatch'
-                           else 0), []).append(s)
+                           else 0, sample_precision(s)), []).append(s)
     out = {}
     for key, ss in groups.items():
         ok = [s for s in ss if 'error' not in s]
@@ -337,12 +357,19 @@ def _sizes(samples):
     return sorted({tuple(s['size']) for s in samples}, key=lambda s: (s[0] * s[1], s))
 
 
+def precisions_of(samples):
+    """The precisions of `samples` (`sample_precision`), in measure.PRECISIONS' order (fp32 first)."""
+    found = {sample_precision(s) for s in samples}
+    return [p for p in PRECISIONS if p in found] + sorted(found - set(PRECISIONS))
+
+
 def render(results):
-    """The generated section of docs/benchmark.md (markdown, deterministic in `results`)."""
+    """The generated section of docs/benchmark.md (markdown, deterministic in `results`): the runs, then the
+    tables; samples of one precision only (fp32 in every results file written before precisions existed) give one
+    set of tables under `### Inference`, `### Training step`, ... (a precision other than fp32 named in a line above
+    them); several precisions give one set per precision, each under its `### <precision>` heading
+    (PRECISION_TITLES) with `####` sub-headings."""
     samples = results['samples']
-    summ = summarize(samples)
-    models = list(dict.fromkeys(s['model'] for s in samples))
-    sizes = _sizes(samples)
     lines = []
     if results.get('smoke'):
         lines += ['> **Smoke run, not a benchmark**: ' + results.get('note', 'tiny settings; figures mean nothing.'),
@@ -357,6 +384,27 @@ def render(results):
                   f'{cfg.get("warmup")}, timed iterations per measurement: {cfg.get("iters")}'
                   + (f'; `{cfg["command"]}`' if cfg.get('command') else '') + '.', '']
     lines += ['Cells: median over rounds (min–max).', '']
+    models = list(dict.fromkeys(s['model'] for s in samples))
+    precs = precisions_of(samples)
+    if precs == ['fp32'] or not precs:
+        lines += _render_tables(samples, models, '###')
+    elif len(precs) == 1:
+        lines += [f'Precision of every sample: {PRECISION_TITLES.get(precs[0], precs[0])}.', '']
+        lines += _render_tables(samples, models, '###')
+    else:
+        for prec in precs:
+            lines += [f'### {PRECISION_TITLES.get(prec, prec)}', '']
+            lines += _render_tables([s for s in samples if sample_precision(s) == prec], models, '####')
+    return '\n'.join(lines).rstrip() + '\n'
+
+
+def _render_tables(samples, models, head):
+    """The tables of `samples` (all of one precision): inference, training step, memory, ratios and crossover of
+    the PAIRS measured among them; `models` the order of the rows, `head` the markdown heading of each part."""
+    summ = {k[:4]: v for k, v in summarize(samples).items()}
+    sizes = _sizes(samples)
+    present = {s['model'] for s in samples}
+    lines = []
 
     def table(title, kind, metric, digits, batches=None):
         keys = [k for k in summ if k[1] == kind]
@@ -373,22 +421,22 @@ def render(results):
                                + ' |')
         return out + ['']
 
-    lines += ['### Inference', '']
+    lines += [f'{head} Inference', '']
     lines += table('Latency (ms, no grad)', 'infer', 'latency_ms', 0)
     lines += table('Throughput (images/s)', 'infer', 'throughput', 2)
     budget = next((s.get('budget_mb') for s in samples if s['kind'] == 'maxbatch'), None)
     lines += table(f'Throughput at the largest batch within {budget} MB (images/s)', 'maxbatch', 'throughput', 2,
                    [0])
-    lines += ['### Training step', '']
+    lines += [f'{head} Training step', '']
     lines += table('Step time (ms: forward, backward, AdamW step)', 'train', 'step_ms', 0)
-    lines += ['### Memory', '']
+    lines += [f'{head} Memory', '']
     lines += table('Training-step peak (MB above the model and input)', 'train', 'peak_mem_mb', 0)
     lines += table('Inference peak (MB)', 'infer', 'peak_mem_mb', 0)
     lines += table(f'Largest inference batch within {budget} MB', 'maxbatch', 'batch', 0, [0])
     # ratios
-    pairs = [(a, b) for a, b in PAIRS if a in models and b in models]
+    pairs = [(a, b) for a, b in PAIRS if a in present and b in present]
     if pairs:
-        lines += ['### Scaling', '',
+        lines += [f'{head} Scaling', '',
                   '**Ratios** (speed: their time / ours; memory: ours / theirs; range from the extremes)', '',
                   '| ours vs theirs | batch | size | inference speed | training speed | training memory |',
                   '|---|---|---|---|---|---|']
@@ -420,7 +468,7 @@ def render(results):
                                                                      if c == min(p[0] for p in pts) else ''))
             lines.append(f'| {label(a)} vs {label(b)} | ' + ' | '.join(cells) + ' |')
         lines += ['']
-    return '\n'.join(lines).rstrip() + '\n'
+    return lines
 
 
 def replace_section(doc, section):
@@ -432,19 +480,30 @@ def replace_section(doc, section):
     return head + BEGIN + '\n' + section + END + rest.split(END, 1)[1]
 
 
+def plot_precision(results):
+    """The precision the plot shows: fp32 where the results have fp32 samples, else their first precision."""
+    precs = precisions_of(results['samples'])
+    return 'fp32' if 'fp32' in precs or not precs else precs[0]
+
+
 def plot_title(results):
-    """The plot's title: device and torch of the run (of a merged file's first run)."""
+    """The plot's title: device and torch of the run (of a merged file's first run), and the precision when it is
+    not fp32."""
     env = results.get('env') or (results.get('runs') or [{}])[0].get('env', {})
+    prec = plot_precision(results)
     return (('SMOKE RUN (meaningless figures) - ' if results.get('smoke') else '')
-            + f'{env.get("device")} ({env.get("cpu") or env.get("gpu")}) - batch 1 - torch {env.get("torch")}')
+            + f'{env.get("device")} ({env.get("cpu") or env.get("gpu")}) - batch 1 - torch {env.get("torch")}'
+            + ('' if prec == 'fp32' else f' - {PRECISION_TITLES.get(prec, prec)}'))
 
 
 def plot(results, path):
-    """Speed and training memory vs resolution of the PAIRS' models (batch 1): log-log, one line per model."""
+    """Speed and training memory vs resolution of the PAIRS' models (batch 1, the samples of `plot_precision`):
+    log-log, one line per model."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    summ = summarize(results['samples'])
+    prec = plot_precision(results)
+    summ = {k[:4]: v for k, v in summarize(results['samples']).items() if k[4] == prec}
     models = [m for m in dict.fromkeys(x for p in PAIRS[:3] for x in p)
               if any(k[0] == m for k in summ)]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))

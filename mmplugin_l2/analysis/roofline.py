@@ -1,7 +1,8 @@
 """Roofline of a backbone on this machine (tools/analysis/roofline.py): multiply-adds (the count of
 flops.py / get_flops.py) against measured time, as achieved GMAC/s next to the machine's measured peak (a
-large fp32 matmul on the same threads) and memory bandwidth (a large copy), for the whole model (inference,
-training) and per layer (inference).
+large matmul on the same threads, in fp32 and in bf16: `peak_matmul`) and memory bandwidth (a large copy), for
+the whole model (inference, training) and per layer (inference), in a precision of measure.PRECISIONS (a bf16
+autocast model against the bf16 peak).
 
 A *layer* is a direct child of a block (a module whose class name ends in `Block`: attention, MLP, CPE,
 norms) or a module outside the blocks that holds parameters (stem, downsamplings, output norms); per layer:
@@ -17,13 +18,19 @@ import torch
 import torch.nn as nn
 
 from ..models.ops.memory import whole_maps
-from .measure import clock, time_calls, train_steps
+from .measure import PRECISIONS, clock, precision, time_calls, train_steps
 
 
-def peak_matmul(n=2048, iters=5, device='cpu'):
-    """Best of `iters` fp32 (n x n) @ (n x n) products after one warm-up: multiply-adds per second."""
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    return n ** 3 / (min(time_calls(lambda: a @ b, a.device, 1, iters)) / 1e3)
+def peak_matmul(n=2048, iters=5, device='cpu', prec='fp32'):
+    """Best of `iters` (n x n) @ (n x n) products after one warm-up in precision `prec` (measure.PRECISIONS: the
+    operands in fp32, or in bf16 / fp16 for those autocasts, so no cast is timed; 'tf32' with TF32 on):
+    multiply-adds per second."""
+    if prec not in PRECISIONS:
+        raise ValueError(f'precision {prec!r}; allowed: {", ".join(PRECISIONS)}')
+    dtype = PRECISIONS[prec][0] or torch.float32
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    with precision(prec, a.device):
+        return n ** 3 / (min(time_calls(lambda: a @ b, a.device, 1, iters)) / 1e3)
 
 
 def peak_bandwidth(mbytes=256, iters=5, device='cpu'):
@@ -80,9 +87,10 @@ def layer_group(name, module):
 
 
 @torch.no_grad()
-def profile_layers(model, x):
+def profile_layers(model, x, prec='fp32'):
     """Per layer group: MACs, seconds, bytes, calls; plus the forward's total seconds (one forward after a
-    warm-up forward, eval mode)."""
+    warm-up forward, eval mode, in precision `prec` of measure.PRECISIONS: bytes are those of the tensors as
+    they are, bf16 under bf16 autocast)."""
     model.eval()
     named = layers(model)
     flops, by_module = _flops(model, x)
@@ -110,12 +118,13 @@ def profile_layers(model, x):
             st['calls'] += 1
         hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
     try:
-        model(x)  # warm-up, with hooks (the same work)
-        for s in stats.values():
-            s.update(seconds=0., bytes=0, calls=0)
-        t = clock(x.device)
-        model(x)
-        total = clock(x.device) - t
+        with precision(prec, x.device):
+            model(x)  # warm-up, with hooks (the same work)
+            for s in stats.values():
+                s.update(seconds=0., bytes=0, calls=0)
+            t = clock(x.device)
+            model(x)
+            total = clock(x.device) - t
     finally:
         for h in hooks:
             h.remove()
@@ -136,17 +145,20 @@ def _flops(model, x):
         return a.total(), dict(a.by_module())
 
 
-def train_step_seconds(model, x, warmup=1, iters=1):
-    """Median training-step time (mmplugin_l2.analysis.measure.train_steps)."""
-    steps, _ = train_steps(model, x, warmup, iters, memory=False)
+def train_step_seconds(model, x, warmup=1, iters=1, prec='fp32'):
+    """Median training-step time (mmplugin_l2.analysis.measure.train_steps) in precision `prec`."""
+    steps, _ = train_steps(model, x, warmup, iters, memory=False, prec=prec)
     return statistics.median(s['total_ms'] for s in steps) / 1e3
 
 
 def plot(summary, path):
+    """Whole-backbone GMAC/s against every measured matmul peak (`peaks_gmacs`), and the layers on the roofline
+    of the summary's precision (`peak_gmacs`: the peak of that precision)."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     peak, bw = summary['peak_gmacs'], summary['bandwidth_gbs']
+    prec = summary.get('precision', 'fp32')
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw=dict(width_ratios=[1, 1.6]))
     names = list(summary['models'])
     xs = range(len(names))
@@ -154,7 +166,8 @@ def plot(summary, path):
     tr = [summary['models'][n].get('train_gmacs') or 0 for n in names]
     ax0.bar([i - .2 for i in xs], inf, .4, label='inference')
     ax0.bar([i + .2 for i in xs], tr, .4, label='training (3 x forward MACs / step)')
-    ax0.axhline(peak, color='k', ls='--', lw=1, label=f'fp32 matmul peak {peak:.0f}')
+    for (name, value), ls in zip((summary.get('peaks_gmacs') or {prec: peak}).items(), ('--', ':', '-.', '-')):
+        ax0.axhline(value, color='k', ls=ls, lw=1, label=f'{name} matmul peak {value:.0f}')
     ax0.set_xticks(list(xs), names)
     ax0.set_ylabel('GMAC/s')
     ax0.set_title('whole backbone')
@@ -173,13 +186,13 @@ def plot(summary, path):
             labelled = True
     xx = [lo / 2, hi * 2]
     ax1.plot([lo / 2, peak / bw, hi * 2], [bw * lo / 2, peak, peak], 'k--', lw=1,
-             label=f'roof: {bw:.0f} GB/s copy, {peak:.0f} GMAC/s matmul')
+             label=f'roof: {bw:.0f} GB/s copy, {peak:.0f} GMAC/s {prec} matmul')
     ax1.set_xlim(*xx)
     ax1.set_xscale('log')
     ax1.set_yscale('log')
     ax1.set_xlabel('MAC per byte (layer inputs + outputs + weights)')
     ax1.set_ylabel('achieved GMAC/s')
-    ax1.set_title('layers (inference; marker area ~ share of the forward time)')
+    ax1.set_title(f'layers ({prec} inference; marker area ~ share of the forward time)')
     ax1.grid(True, which='both', alpha=.3)
     ax1.legend(fontsize=8)
     fig.suptitle(summary['title'], fontsize=9)

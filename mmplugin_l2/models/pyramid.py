@@ -3,6 +3,7 @@
 A `PyramidBackbone` has a stem `patch_embed` and a ModuleList `layers` of stages (each may end in its own
 `downsample`). This base class owns the mechanics around them:
 
+* `arch`: a name in the subclass's `arch_zoo` or a dict of settings, resolved and checked by `_init_arch`;
 * `out_indices` and one output norm `norm{i}` per returned stage (LayerNorm by default, mmdet's side-branch
   convention; any mmcv norm config, e.g. BN for classification heads);
 * `frozen_stages` (-1: none, 0: the stem, i: the stem and stages 0..i-1 with their output norms) and
@@ -50,6 +51,14 @@ def resolve_arch(arch, arch_zoo, required_keys, name):
         raise ValueError(f'{name}: a custom arch dict needs the keys {sorted(required_keys)}; '
                          f'missing {sorted(missing)}')
     return dict(arch)
+
+
+def drop_path_rates(drop_path_rate, depths):
+    """Stochastic-depth rates rising linearly from 0 (first block) to `drop_path_rate` (last block) over all
+    `sum(depths)` blocks, split into one list per stage."""
+    n_blocks = sum(depths)
+    rates = [drop_path_rate * i / max(n_blocks - 1, 1) for i in range(n_blocks)]
+    return [rates[sum(depths[:i]):sum(depths[:i + 1])] for i in range(len(depths))]
 
 
 def normalize_out_indices(out_indices, num_stages, name):
@@ -109,8 +118,8 @@ def _guard_forward(forward):
 
 
 class PyramidBackbone(BaseModule):
-    """Base of the 4-stage backbones. Subclasses build `patch_embed` and `layers` then call
-    `_init_pyramid`; their `forward` uses `run_block` and `stage_output`."""
+    """Base of the 4-stage backbones. Subclasses resolve their arch with `_init_arch`, build `patch_embed`
+    and `layers` then call `_init_pyramid`; their `forward` uses `run_block` and `stage_output`."""
 
     #: `stage_output` makes LayerNorm-ed maps NCHW-contiguous (False: the channels-last view of the tokens)
     contiguous_outputs = True
@@ -123,8 +132,31 @@ class PyramidBackbone(BaseModule):
         if fwd is not None and not getattr(fwd, '_pyramid_guarded', False):
             cls.forward = _guard_forward(fwd)
 
+    def _init_arch(self, arch, keys=('embed_dims', 'depths', 'num_heads'), defaults=None, per_stage=True):
+        """Resolve `arch` (a name or alias in the class's `arch_zoo`, or a dict; see `resolve_arch`) into
+        `arch_settings` and `arch_desc` (the name, or 'custom' for a dict) and return the values of `keys`, in
+        that order.
+
+        An arch must give every key but those in `defaults`, whose values stand for the keys it leaves out.
+        With `per_stage`, the values are lists with one entry per stage: lists of different lengths are
+        rejected, quoting them."""
+        name = type(self).__name__
+        defaults = defaults or {}
+        self.arch_settings = resolve_arch(arch, self.arch_zoo, [k for k in keys if k not in defaults], name)
+        self.arch_desc = arch if isinstance(arch, str) else 'custom'
+        values = tuple(self.arch_settings[k] if k in self.arch_settings else defaults[k] for k in keys)
+        if per_stage and len({len(v) for v in values}) > 1:
+            raise ValueError(f'{name}: {", ".join(keys[:-1])} and {keys[-1]} need one entry per stage, got '
+                             f'{", ".join(str(v) for v in values)}')
+        return values
+
     def _init_pyramid(self, in_channels, stage_channels, out_indices, frozen_stages, norm_eval, with_cp,
-                      out_norm_cfg, memory_policy=None):
+                      out_norm_cfg, memory_policy=None, weight_init=None):
+        """Finish a subclass's construction once its stem and stages are built: `weight_init` (the authors'
+        initialisation, a function of one module) over every module built so far, then the output norms of
+        `out_indices`, the memory policy and the frozen stages."""
+        if weight_init is not None:
+            self.apply(weight_init)
         self.in_channels = in_channels
         self.num_stages = len(stage_channels)
         self.stage_channels = list(stage_channels)

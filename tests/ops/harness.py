@@ -8,6 +8,10 @@ against the reference on the same device); `assert_matches` with any other oracl
 Both run the two functions on the same float64 inputs (fresh leaf copies, so their gradients are
 independent), compare the outputs and, when any input requires a gradient, the gradients of a random
 projection of the output with respect to every such input.
+
+Under autocast the oracle is the same: `assert_autocast_no_worse(fast, reference, naive, inputs, dtype)` runs the
+fast path and the reference on float32 copies of the inputs under CPU autocast to `dtype`, and requires the fast
+path's errors against the naive form in float64 (output and every gradient) to be no worse than the reference's.
 """
 import types
 
@@ -29,7 +33,7 @@ def run_with_grads(fn, inputs, cotangent=None):
     if cotangent is None:
         g = torch.Generator().manual_seed(0)
         cotangent = torch.randn(out.shape, generator=g, dtype=out.dtype).to(out.device)
-    grads = torch.autograd.grad(out, wrt, cotangent, allow_unused=True)
+    grads = torch.autograd.grad(out, wrt, cotangent.to(out.dtype), allow_unused=True)
     return out.detach(), [torch.zeros_like(t) if gr is None else gr for t, gr in zip(wrt, grads)]
 
 
@@ -56,6 +60,36 @@ def assert_matches_naive(impl, naive, inputs, rtol=1e-10, atol=1e-12, grads=True
 def assert_matches_reference(fast, reference, inputs, rtol=1e-10, atol=1e-12, grads=True):
     """`fast` against the op's reference: `assert_matches`."""
     assert_matches(fast, reference, inputs, rtol, atol, grads)
+
+
+def autocast_errors(fn, naive, inputs, dtype):
+    """Relative errors, max |a - ref| / max |ref|, of `fn` run on float32 copies of the float64 `inputs` under CPU
+    autocast to `dtype` against `naive` on the float64 inputs: [output, gradient of each input that requires
+    one] (the gradients of the same random projection of the output)."""
+    out_ref, g_ref = run_with_grads(naive, inputs)
+    g = torch.Generator().manual_seed(0)
+    cotangent = torch.randn(out_ref.shape, generator=g, dtype=out_ref.dtype)
+    out_ref, g_ref = run_with_grads(naive, inputs, cotangent)
+    low = [t.detach().float().requires_grad_(t.requires_grad) if torch.is_tensor(t) and t.is_floating_point() else t
+           for t in inputs]
+    with torch.autocast('cpu', dtype=dtype):
+        out, grads = run_with_grads(fn, low, cotangent.float())
+    assert all(gr.dtype == t.dtype for gr, t in zip(grads, [t for t in low if torch.is_tensor(t) and t.requires_grad]))
+
+    def rel(a, b):
+        return ((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+    return [rel(out, out_ref)] + [rel(a, b) for a, b in zip(grads, g_ref)]
+
+
+def assert_autocast_no_worse(fast, reference, naive, inputs, dtype, slack=1.1):
+    """Under CPU autocast to `dtype`, `fast`'s errors against `naive` in float64 (`autocast_errors`: output and
+    every gradient) are at most `slack` times the reference's under the same autocast."""
+    e_fast = autocast_errors(fast, naive, inputs, dtype)
+    e_ref = autocast_errors(reference, naive, inputs, dtype)
+    names = ['output'] + [f'gradient {i}' for i in range(len(e_fast) - 1)]
+    for name, a, b in zip(names, e_fast, e_ref):
+        assert a <= slack * b, f'{name}: {dtype} autocast error {a:.3g} of the fast path, {b:.3g} of the reference'
+    return e_fast, e_ref
 
 
 class Calls(list):

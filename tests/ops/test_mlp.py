@@ -15,7 +15,7 @@ from mmplugin_l2.models.ops import TRAIN, Path
 from mmplugin_l2.models.ops.mlp import (ConvMlpPiecesFunction, ConvMlpFunction, NormMlpFunction, conv_mlp,
                                         conv_mlp_inference, conv_mlp_reference, mlp_inference, mlp_reference)
 from mmplugin_l2.models.ops.mlp.naive import conv_mlp_naive, mlp_naive
-from ops.harness import assert_matches_naive
+from ops.harness import assert_autocast_no_worse, assert_matches_naive
 
 C, R = 5, 11      # odd widths: channels and hidden channels
 
@@ -119,6 +119,21 @@ def test_norm_mlp_function_matches_naive(rows):
                          _mlp(mlp_naive), [_x((31, 1)), w1, b1, w2, b2, lw, lb], atol=1e-11)
 
 
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_norm_mlp_function_under_autocast_no_worse_than_the_reference(dtype):
+    """Under autocast `NormMlpFunction` (on whole maps, as `NORM_MLP` declares) is as accurate as the reference is
+    there (LayerNorm in fp32, products in the autocast dtype): output and every gradient against the naive form in
+    float64."""
+    c, r = 16, 40
+    g = torch.Generator().manual_seed(1)
+    ps = [(torch.randn(s, generator=g, dtype=torch.float64) * k).requires_grad_()
+          for s, k in (((r, c), .3), ((r,), .1), ((c, r), .2), ((c,), .1), ((c,), 1.), ((c,), .1))]
+    x = (torch.randn(2, 97, c, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    fast = lambda x, w1, b1, w2, b2, lw, lb: NormMlpFunction.apply(x, lw, lb, 1e-5, w1, b1, w2, b2)  # noqa: E731
+    e_fast, _ = assert_autocast_no_worse(fast, _mlp(mlp_reference), _mlp(mlp_naive), [x] + ps, dtype)
+    assert max(e_fast) < (5e-2 if dtype == torch.bfloat16 else 1e-2)
+
+
 # ------------------------------------------------------------------ the layers' dispatch
 def _grad_fn(y):
     return type(y.grad_fn).__name__
@@ -206,6 +221,28 @@ def test_train_mode_under_no_grad_keeps_dropout(cls):
     torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
     with torch.no_grad():
         assert not torch.allclose(a, m.eval()(x, (7, 9)))
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_norm_mlp_branch_under_autocast_takes_the_train_function_on_whole_maps(dtype):
+    """Under autocast a block's MLP branch runs `NormMlpFunction` (not the checkpointed reference), on the whole map
+    even where the memory policy gives pieces outside autocast; its output is in the autocast dtype, its parameter
+    gradients in fp32."""
+    from mmplugin_l2.models.backbones.l2vit import LGABlock
+    blk = LGABlock(8, 2).train()
+    set_memory_policy(blk, dict(max_elems=4 * 8))
+    x = torch.randn(2, 40, 8, requires_grad=True)
+    pieces = []
+    orig = NormMlpFunction.apply
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(NormMlpFunction, 'apply', lambda *a: pieces.append(a[-1]) or orig(*a))
+        norm_mlp_branch(blk, blk.norm2, blk.mlp, x)
+        with torch.autocast('cpu', dtype=dtype):
+            y = norm_mlp_branch(blk, blk.norm2, blk.mlp, x)
+    assert pieces == [4 * 8, None], pieces
+    assert y.dtype == dtype and _grad_fn(y) == 'NormMlpFunctionBackward'
+    y.float().sum().backward()
+    assert blk.mlp.fc1.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
 
 
 def test_norm_mlp_branch_dispatch():

@@ -4,24 +4,28 @@ and peak memory, across resolutions, on CPU or CUDA; one results file, from whic
 and plot are generated.
 
     python tools/analysis/benchmark.py run [--suite headline|detection|all] [--models ...] [--sizes 224 800x1344 ...]
-        [--batches 1 2] [--kinds infer train maxbatch] [--rounds 3] [--warmup 1] [--iters 3]
-        [--budget-mb 8000] [--device cpu|cuda] [--authors-code FAMILY=PATH ...] [--timeout S] [--smoke]
-        --out results.json
+        [--batches 1 2] [--kinds infer train maxbatch] [--precision fp32 tf32 bf16 fp16] [--rounds 3]
+        [--warmup 1] [--iters 3] [--budget-mb 8000] [--device cpu|cuda] [--authors-code FAMILY=PATH ...]
+        [--timeout S] [--smoke] --out results.json
     python tools/analysis/benchmark.py merge a.json b.json ... --out results.json
     python tools/analysis/benchmark.py render results.json [--doc docs/benchmark.md] [--plot docs/benchmark.png]
     python tools/analysis/benchmark.py models
 
-`run`: every measurement in a fresh Python process; per round every model once per (kind, size, batch), the
-models' order rotating between rounds; the results file (machine, versions, commit, every sample) is rewritten
-after each measurement. A suite sets models, sizes, batches and kinds; the other flags override them. A failed
-measurement (an exception, out of memory, --timeout) is kept as a sample with its one-line error.
+`run`: every measurement in a fresh Python process; per round every model once per (kind, size, batch,
+precision), the models' order rotating between rounds; the results file (machine, versions, commit, every sample)
+is rewritten after each measurement. A suite sets models, sizes, batches and kinds; the other flags override them.
+`--precision` (default fp32: TF32 off): one or more of fp32, tf32 (TF32 on), bf16, fp16 (autocast to that dtype
+around the forward, as AMP training does; no loss scaling); a sample records its precision when not fp32. A
+failed measurement (an exception, out of memory, --timeout) is kept as a sample with its one-line error.
 `maxbatch`: batches 1, 2, 4, ... until the inference peak memory exceeds --budget-mb, then bisection; each
 probe a fresh process; then the throughput at the batch found. `<model>@authors` (e.g. hvit3_t@authors) is the
 authors' implementation from their checkout, `--authors-code ViTTT=PATH L2ViT=PATH ResT=PATH` (timm needed).
 `merge`: one results file from several runs (e.g. a headline and a detection run; samples of the same model,
-kind, size and batch from different runs are pooled as rounds, so merge runs of one machine and code only).
-`render`: the tables (median over rounds, min-max) and ratios between the docs' model pairs, the crossover
-resolution, written between the generated markers of --doc; the plot to --plot.
+kind, size, batch and precision from different runs are pooled as rounds, so merge runs of one machine and code
+only). `render`: the tables (median over rounds, min-max) and ratios between the docs' model pairs, the crossover
+resolution, written between the generated markers of --doc; one set of tables per precision (headed 'fp32',
+'bf16 autocast', ...) when the results hold several, samples of different precisions never pooled; the plot
+(fp32 samples; a file without any: its first precision) to --plot.
 """
 import argparse
 import ast
@@ -32,6 +36,7 @@ import sys
 
 from mmplugin_l2.analysis import authors
 from mmplugin_l2.analysis import benchmark as bm
+from mmplugin_l2.analysis.measure import PRECISIONS
 from mmplugin_l2.analysis.models import MODELS, label
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
@@ -66,6 +71,9 @@ def parse_args(argv=None):
     r.add_argument('--sizes', nargs='+', type=_size, help='H or HxW (default: the suite\'s)')
     r.add_argument('--batches', nargs='+', type=int)
     r.add_argument('--kinds', nargs='+', choices=bm.KINDS)
+    r.add_argument('--precision', nargs='+', choices=list(PRECISIONS), default=['fp32'],
+                   help='fp32 (TF32 off), tf32 (TF32 on), bf16 / fp16 (autocast); several: each measured, '
+                        'tabled apart (default: fp32)')
     r.add_argument('--rounds', type=int, default=3)
     r.add_argument('--warmup', type=int, default=1)
     r.add_argument('--iters', type=int, default=3)
@@ -93,6 +101,7 @@ def parse_args(argv=None):
         for k, v in bm.SUITES[args.suite].items():
             if getattr(args, k) is None:
                 setattr(args, k, [bm.parse_size(s) for s in v] if k == 'sizes' else list(v))
+        args.precision = list(dict.fromkeys(args.precision))
         if min(args.rounds, args.iters, *args.batches) < 1 or args.warmup < 0:
             p.error('--rounds, --iters and --batches must be >= 1, --warmup >= 0')
         if args.device != 'cpu' and not args.device.startswith('cuda'):
@@ -163,14 +172,14 @@ def main(argv=None):
         bm.plot(results, args.plot)
         print(f'wrote the tables of {args.doc} and {args.plot}')
         return 0
-    specs = bm.schedule(args.models, args.sizes, args.batches, args.kinds, args.rounds)
+    specs = bm.schedule(args.models, args.sizes, args.batches, args.kinds, args.rounds, args.precision)
     common = dict(warmup=args.warmup, iters=args.iters, device=args.device, budget_mb=args.budget_mb,
                   max_batch=args.max_batch, authors_roots=args.authors_roots)
     if args.cfg_options:
         common['cfg'] = bm.nested(dict(args.cfg_options))
     config = dict(suite=args.suite, models=args.models, sizes=[list(s) for s in args.sizes], batches=args.batches,
-                  kinds=args.kinds, rounds=args.rounds, warmup=args.warmup, iters=args.iters,
-                  cfg=common.get('cfg'),
+                  kinds=args.kinds, precisions=args.precision, rounds=args.rounds, warmup=args.warmup,
+                  iters=args.iters, cfg=common.get('cfg'),
                   budget_mb=args.budget_mb, command=' '.join(['python', 'tools/analysis/benchmark.py']
                                                               + sys.argv[1:] if argv is None else argv))
     results = dict(format=bm.FORMAT, smoke=args.smoke, env=bm.environment(args.device), config=config, samples=[])

@@ -24,7 +24,7 @@ from ..layers import (CPE, ConvDownsample, ConvMlp, ConvStem, Mlp, TTTAttention,
                       pad_to_multiple, rope_tables, tokens_to_map)
 from ..ops.export import stage_boundary
 from ...deprecation import renamed_argument
-from ..pyramid import PyramidBackbone, resolve_arch
+from ..pyramid import PyramidBackbone, drop_path_rates
 
 
 def _init_linear_and_ln(m):
@@ -116,27 +116,16 @@ class HViT3(PyramidBackbone):
                  recompute=None):
         super().__init__(init_cfg=init_cfg)
         fast_train = renamed_argument(type(self).__name__, 'recompute', 'fast_train', recompute, fast_train)
-        self.arch_settings = a = resolve_arch(arch, self.arch_zoo, ('embed_dims', 'depths', 'num_heads'),
-                                              'HViT3')
-        self.arch_desc = arch if isinstance(arch, str) else 'custom'
-        dims, depths, heads = a['embed_dims'], a['depths'], a['num_heads']
-        if not len(dims) == len(depths) == len(heads):
-            raise ValueError(f'HViT3: embed_dims, depths and num_heads need one entry per stage, got '
-                             f'{dims}, {depths}, {heads}')
-        n_blocks = sum(depths)
-        dpr = [drop_path_rate * i / max(n_blocks - 1, 1) for i in range(n_blocks)]
+        dims, depths, heads = self._init_arch(arch)
         self.patch_embed = ConvStem(in_channels, dims[0])
         self.pos_drop = nn.Dropout(drop_rate)
         self.layers = nn.ModuleList()
-        for i, (dim, depth, nh) in enumerate(zip(dims, depths, heads)):
-            start = sum(depths[:i])
+        for i, (dim, depth, nh, rates) in enumerate(zip(dims, depths, heads, drop_path_rates(drop_path_rate, depths))):
             self.layers.append(HViT3Stage(
-                dim, depth, nh, out_dim=dims[i + 1] if i + 1 < len(dims) else None,
-                drop_paths=dpr[start:start + depth], mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop=drop_rate,
-                fast_train=fast_train))
-        self.apply(_init_linear_and_ln)
+                dim, depth, nh, out_dim=dims[i + 1] if i + 1 < len(dims) else None, drop_paths=rates,
+                mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop=drop_rate, fast_train=fast_train))
         self._init_pyramid(in_channels, dims, out_indices, frozen_stages, norm_eval, with_cp, out_norm_cfg,
-                           memory_policy)
+                           memory_policy, weight_init=_init_linear_and_ln)
 
     def forward(self, x):
         x = self.patch_embed(x)
@@ -216,23 +205,19 @@ class ViT3(PyramidBackbone):
                  recompute=None):
         super().__init__(init_cfg=init_cfg)
         fast_train = renamed_argument(type(self).__name__, 'recompute', 'fast_train', recompute, fast_train)
-        self.arch_settings = a = resolve_arch(arch, self.arch_zoo, ('embed_dims', 'num_layers', 'num_heads'),
-                                              'ViT3')
-        self.arch_desc = arch if isinstance(arch, str) else 'custom'
-        dim, depth = a['embed_dims'], a['num_layers']
+        dim, depth, heads = self._init_arch(arch, ('embed_dims', 'num_layers', 'num_heads'), per_stage=False)
         self.patch_size = patch_size
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Conv2d(in_channels, dim, patch_size, stride=patch_size)
         self.pos_drop = nn.Dropout(drop_rate)
-        dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
+        dpr = drop_path_rates(drop_path_rate, [depth])[0]
         self.blocks = nn.ModuleList([
-            TTTBlock(dim, a['num_heads'], mlp_ratio, qkv_bias, drop_rate, dpr[j], norm_eps=1e-6, conv_mlp=False,
+            TTTBlock(dim, heads, mlp_ratio, qkv_bias, drop_rate, dpr[j], norm_eps=1e-6, conv_mlp=False,
                      fast_train=fast_train)
             for j in range(depth)])
         self.norm = nn.LayerNorm(dim, eps=1e-6)
-        self.apply(_init_linear_and_ln)
         self._init_pyramid(in_channels, [dim] * depth, out_indices, frozen_stages, norm_eval, with_cp, None,
-                           memory_policy)
+                           memory_policy, weight_init=_init_linear_and_ln)
 
     @property
     def layers(self):

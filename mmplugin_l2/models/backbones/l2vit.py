@@ -44,7 +44,7 @@ from ..ops.export import stage_boundary
 from ..layers.mlp import norm_mlp_branch
 from ..ops.checkpoint import recomputed_branch as _branch
 from ...deprecation import renamed_argument
-from ..pyramid import PyramidBackbone, resolve_arch
+from ..pyramid import PyramidBackbone
 
 
 def _init_authors(m):
@@ -160,14 +160,8 @@ class L2ViT(PyramidBackbone):
                  recompute=None):
         super().__init__(init_cfg=init_cfg)
         fast_train = renamed_argument(type(self).__name__, 'recompute', 'fast_train', recompute, fast_train)
-        self.arch_settings = a = resolve_arch(arch, self.arch_zoo, ('embed_dims', 'depths', 'num_heads'),
-                                              'L2ViT')
-        self.arch_desc = arch if isinstance(arch, str) else 'custom'
-        dims, depths, heads = a['embed_dims'], a['depths'], a['num_heads']
-        if not len(dims) == len(depths) == len(heads):
-            raise ValueError(f'L2ViT: embed_dims, depths and num_heads need one entry per stage, got '
-                             f'{dims}, {depths}, {heads}')
-        self.window_size = window_size if window_size is not None else a.get('window_size', 7)
+        dims, depths, heads = self._init_arch(arch)
+        self.window_size = window_size if window_size is not None else self.arch_settings.get('window_size', 7)
         self.mask_window_padding = mask_window_padding
         self.final_norm = final_norm
         dpr = [r.item() for r in torch.linspace(0, drop_path_rate, sum(depths), device='cpu')]
@@ -181,9 +175,8 @@ class L2ViT(PyramidBackbone):
                 LWABlock(dim, nh, self.window_size, mlp_ratio, qkv_bias, rates[j], mask_window_padding, fast_train)
                 if j % 2 == 0 else LGABlock(dim, nh, mlp_ratio, qkv_bias, rates[j], fast_train=fast_train)
                 for j in range(depth)]))
-        self.apply(_init_authors)
         self._init_pyramid(in_channels, dims, out_indices, frozen_stages, norm_eval, with_cp,
-                           dict(type='LN'), memory_policy)
+                           dict(type='LN'), memory_policy, weight_init=_init_authors)
         if final_norm and len(dims) - 1 not in self.out_indices:
             raise ValueError(f'L2ViT: final_norm=True needs the last stage ({len(dims) - 1}) in out_indices, '
                              f'got {self.out_indices}')

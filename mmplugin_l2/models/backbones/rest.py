@@ -34,7 +34,7 @@ from ..layers import EMSA, Mlp, ResTPatchEmbed, ResTStem, add_residual, map_to_t
 from ..ops.export import stage_boundary
 from ..layers.mlp import norm_mlp_branch
 from ...deprecation import renamed_argument
-from ..pyramid import PyramidBackbone, resolve_arch
+from ..pyramid import PyramidBackbone, drop_path_rates
 
 
 def _init_rest_weights(m):
@@ -142,27 +142,18 @@ class ResT(PyramidBackbone):
                  recompute=None):
         super().__init__(init_cfg=init_cfg)
         fast_train = renamed_argument(type(self).__name__, 'recompute', 'fast_train', recompute, fast_train)
-        self.arch_settings = a = resolve_arch(arch, self.arch_zoo, ('embed_dims', 'depths', 'num_heads'), 'ResT')
-        self.arch_desc = arch if isinstance(arch, str) else 'custom'
-        dims, depths, heads = a['embed_dims'], a['depths'], a['num_heads']
-        srs = a.get('sr_ratios', self.default_sr_ratios)
-        if not len(dims) == len(depths) == len(heads) == len(srs):
-            raise ValueError(f'ResT: embed_dims, depths, num_heads and sr_ratios need one entry per stage, got '
-                             f'{dims}, {depths}, {heads}, {srs}')
+        dims, depths, heads, srs = self._init_arch(arch, ('embed_dims', 'depths', 'num_heads', 'sr_ratios'),
+                                                   defaults=dict(sr_ratios=self.default_sr_ratios))
         self.norm_in_path = norm_in_path
-        n_blocks = sum(depths)
-        dpr = [drop_path_rate * i / max(n_blocks - 1, 1) for i in range(n_blocks)]
         self.patch_embed = ResTStem(in_channels, dims[0])
         self.layers = nn.ModuleList()
-        for i, (dim, depth, nh, sr) in enumerate(zip(dims, depths, heads, srs)):
-            start = sum(depths[:i])
+        for i, (dim, depth, nh, sr, rates) in enumerate(
+                zip(dims, depths, heads, srs, drop_path_rates(drop_path_rate, depths))):
             self.layers.append(ResTStage(
-                dims[i - 1] if i > 0 else None, dim, depth, nh, sr, drop_paths=dpr[start:start + depth],
-                mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop=drop_rate, attn_drop=attn_drop_rate,
-                fast_train=fast_train))
-        self.apply(_init_rest_weights)
+                dims[i - 1] if i > 0 else None, dim, depth, nh, sr, drop_paths=rates, mlp_ratio=mlp_ratio,
+                qkv_bias=qkv_bias, drop=drop_rate, attn_drop=attn_drop_rate, fast_train=fast_train))
         self._init_pyramid(in_channels, dims, out_indices, frozen_stages, norm_eval, with_cp, out_norm_cfg,
-                           memory_policy)
+                           memory_policy, weight_init=_init_rest_weights)
 
     def forward(self, x):
         x = self.patch_embed(x)

@@ -51,7 +51,9 @@ class Fast(NamedTuple):
     activation of the op must satisfy (None: any). pieces_only: the path exists only in pieces (whole maps take the
     reference). input_grad: the path needs the input to require a gradient (train paths whose backward is written
     for it). devices, dtypes: the device types and dtypes of the input the path runs on (None: any). channels_last:
-    the path needs a channels-last (B, C, H, W) input.
+    the path needs a channels-last (B, C, H, W) input. autocast_pieces: under autocast the path takes the memory
+    policy's pieces (False: whole maps there, e.g. where the pieces' partial sums would be rounded to the autocast
+    dtype one by one, less accurate than the reference's one product).
     """
     half: bool = True
     autocast: bool = True
@@ -63,6 +65,7 @@ class Fast(NamedTuple):
     devices: Optional[tuple] = None
     dtypes: Optional[tuple] = None
     channels_last: bool = False
+    autocast_pieces: bool = True
 
 
 class Supports(NamedTuple):
@@ -131,6 +134,8 @@ def _takes(fast, x, modules, acts):
 def _path(impl, fast, policy, x, whole_elems):
     """Path(impl, piece) for a fast path that applies, or None where it exists only in pieces and gets none."""
     piece = _policy_piece(policy, x, whole_elems)
+    if piece is not None and not fast.autocast_pieces and autocast_on(x.device.type):
+        piece = None
     return None if fast.pieces_only and piece is None else Path(impl, piece)
 
 

@@ -4,9 +4,10 @@ functions, exact GELU). `mlp` and `conv_mlp` run the implementation the `Path` o
 `MLP`, `CONV_MLP` and `NORM_MLP` declare what their fast paths support; `norm_mlp_train` is the pre-norm MLP
 branch's training function.
 
-Every fast path needs the exact GELU; the train functions also fp32 / fp64 tensors outside autocast and no
-active dropout (its masks need checkpointing's RNG replay). Outside that, training checkpoints the reference
-(recomputed in backward, RNG state preserved).
+Every fast path needs the exact GELU; the train functions also fp32 / fp64 tensors and no active dropout (its
+masks need checkpointing's RNG replay), the ConvMlp functions also no autocast (`NormMlpFunction` runs under it
+as the reference does: LayerNorm in fp32, products in the autocast dtype; whole maps). Outside that, training checkpoints
+the reference (recomputed in backward, RNG state preserved).
 """
 import torch.nn as nn
 
@@ -26,14 +27,16 @@ def exact_gelu(act):
     return type(act) is nn.GELU and act.approximate == 'none'
 
 
-#: what the closed-form training functions take
+#: what the ConvMlp closed-form training functions take
 _TRAIN_FUNCTION = Fast(half=False, autocast=False, dropout=False, act=exact_gelu, input_grad=True)
 #: Mlp: inference in pieces / in place; training checkpoints the reference
 MLP = Supports(inference=Fast(act=exact_gelu), train=None, checkpoint=True)
 #: ConvMlp: inference in pieces / in place; training `ConvMlpFunction` / `ConvMlpPiecesFunction`, else checkpointed
 CONV_MLP = Supports(inference=Fast(act=exact_gelu), train=_TRAIN_FUNCTION, checkpoint=True)
-#: a block's pre-norm MLP branch (affine LayerNorm, `Mlp`): training `NormMlpFunction`, else checkpointed
-NORM_MLP = Supports(inference=None, train=_TRAIN_FUNCTION._replace(input_grad=False), checkpoint=True)
+#: a block's pre-norm MLP branch (affine LayerNorm, `Mlp`): training `NormMlpFunction` (under autocast on whole
+#: maps: its pieces' weight gradients would be sums of products rounded to the autocast dtype), else checkpointed
+NORM_MLP = Supports(inference=None, train=_TRAIN_FUNCTION._replace(input_grad=False, autocast=True,
+                                                                   autocast_pieces=False), checkpoint=True)
 
 
 def mlp(path, x, fc1, fc2, act, drop, norm=None):

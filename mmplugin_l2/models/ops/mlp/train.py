@@ -1,14 +1,18 @@
 """The MLPs' training functions: closed-form backward with recomputation of the elementwise parts
-(exact GELU only; `ops.mlp` falls back to the reference for other activations, dropout and autocast).
+(exact GELU only; `ops.mlp` falls back to the reference for other activations, dropout and, for the ConvMlp
+functions, autocast).
 
 * `NormMlpFunction`: fc2(GELU(fc1(LayerNorm(x)))), keeping x and the fc1 output; optionally in pieces of
-  tokens.
+  tokens. Under autocast (fp32 x) it computes what the reference computes there: the LayerNorm in fp32, the
+  products, the GELU and the output in the autocast dtype (the weights cast once); the parameter gradients
+  are accumulated in fp32.
 * `ConvMlpFunction`: ConvMlp's chain, keeping x (and the fc1 output with `keep_fc1`).
 * `ConvMlpPiecesFunction`: the same in pieces of rows with one halo row each side.
 """
 import torch
 import torch.nn.functional as F
 
+from ..dtypes import autocast_off, autocast_on
 from ..split import split
 from ..tokens import map_to_tokens, tokens_to_map
 from .pieces import linear_into as _linear_into
@@ -28,55 +32,78 @@ class NormMlpFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, ln_w, ln_b, eps, w1, b1, w2, b2, piece=None):
+        dev = x.device.type
+        lp = torch.get_autocast_dtype(dev) if autocast_on(dev) else None
         c = x.shape[-1]
         x2 = x.reshape(-1, c)
         m = x2.shape[0]
         pieces = [p.own for p in split(m, piece, unit=c)]
-        h, y = x2.new_empty(m, w1.shape[0]), x2.new_empty(m, w2.shape[0])
-        mean, rstd = x2.new_empty(m, 1), x2.new_empty(m, 1)
-        for r in pieces:
-            xn, mean[r], rstd[r] = torch.native_layer_norm(x2[r], (c,), ln_w, ln_b, eps)
-            _linear_into(h[r], xn, w1, b1)
-            _linear_into(y[r], F.gelu(h[r]), w2, b2)
-        ctx.eps, ctx.pieces = eps, pieces
+        with autocast_off(dev):
+            w1c, b1c, w2c, b2c = _cast(lp, w1, b1, w2, b2)
+            h, y = x2.new_empty(m, w1.shape[0], dtype=w1c.dtype), x2.new_empty(m, w2.shape[0], dtype=w2c.dtype)
+            mean, rstd = x2.new_empty(m, 1), x2.new_empty(m, 1)
+            for r in pieces:
+                xn, mean[r], rstd[r] = torch.native_layer_norm(x2[r], (c,), ln_w, ln_b, eps)
+                _linear_into(h[r], _cast(lp, xn)[0], w1c, b1c)
+                _linear_into(y[r], F.gelu(h[r]), w2c, b2c)
+        ctx.eps, ctx.pieces, ctx.lp = eps, pieces, lp
         ctx.save_for_backward(x, mean, rstd, ln_w, ln_b, h, w1, w2, b1, b2)
         return y.view(*x.shape[:-1], w2.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
         x, mean, rstd, ln_w, ln_b, h, w1, w2, b1, b2 = ctx.saved_tensors
+        lp = ctx.lp
         c = x.shape[-1]
-        x2, g = x.reshape(-1, c), grad.reshape(-1, grad.shape[-1])
-        need = ctx.needs_input_grad
-        dx = torch.empty_like(x2) if need[0] else None
-        grads = [torch.zeros_like(t) if t is not None and n else None
-                 for t, n in zip((ln_w, ln_b, w1, b1, w2, b2), need[1:3] + need[4:8])]
-        dln_w, dln_b, dw1, db1, dw2, db2 = grads
-        for r in ctx.pieces:
-            xr, gr, hr = x2[r], g[r], h[r]
-            xn = torch.native_layer_norm(xr, (c,), ln_w, ln_b, ctx.eps)[0]
-            a = F.gelu(hr)
-            if dw2 is not None:
-                dw2.addmm_(gr.t(), a)
-            if db2 is not None:
-                db2.add_(gr.sum(0))
-            dh = torch.ops.aten.gelu_backward.grad_input(torch.mm(gr, w2, out=a), hr, grad_input=a)  # a is free
-            if dw1 is not None:
-                dw1.addmm_(dh.t(), xn)
-            if db1 is not None:
-                db1.add_(dh.sum(0))
-            if dx is None and dln_w is None and dln_b is None:
-                continue
-            dxr, dwr, dbr = torch.ops.aten.native_layer_norm_backward(
-                dh @ w1, xr, (c,), mean[r], rstd[r], ln_w, ln_b,
-                [dx is not None, dln_w is not None, dln_b is not None])
-            if dx is not None:
-                dx[r] = dxr
-            if dln_w is not None:
-                dln_w.add_(dwr)
-            if dln_b is not None:
-                dln_b.add_(dbr)
+        with autocast_off(x.device.type):
+            w1c, w2c = _cast(lp, w1, w2)
+            x2, g = x.reshape(-1, c), grad.reshape(-1, grad.shape[-1]).to(h.dtype)
+            need = ctx.needs_input_grad
+            dx = torch.empty_like(x2) if need[0] else None
+            grads = [torch.zeros_like(t) if t is not None and n else None
+                     for t, n in zip((ln_w, ln_b, w1, b1, w2, b2), need[1:3] + need[4:8])]
+            dln_w, dln_b, dw1, db1, dw2, db2 = grads
+            for r in ctx.pieces:
+                xr, gr, hr = x2[r], g[r], h[r]
+                xn = _cast(lp, torch.native_layer_norm(xr, (c,), ln_w, ln_b, ctx.eps)[0])[0]
+                a = F.gelu(hr)
+                if dw2 is not None:
+                    _addmm_(dw2, gr.t(), a)
+                if db2 is not None:
+                    db2.add_(gr.sum(0, dtype=db2.dtype))
+                dh = torch.ops.aten.gelu_backward.grad_input(torch.mm(gr, w2c, out=a), hr, grad_input=a)  # a is free
+                if dw1 is not None:
+                    _addmm_(dw1, dh.t(), xn)
+                if db1 is not None:
+                    db1.add_(dh.sum(0, dtype=db1.dtype))
+                if dx is None and dln_w is None and dln_b is None:
+                    continue
+                dxr, dwr, dbr = torch.ops.aten.native_layer_norm_backward(
+                    (dh @ w1c).to(xr.dtype), xr, (c,), mean[r], rstd[r], ln_w, ln_b,
+                    [dx is not None, dln_w is not None, dln_b is not None])
+                if dx is not None:
+                    dx[r] = dxr
+                if dln_w is not None:
+                    dln_w.add_(dwr)
+                if dln_b is not None:
+                    dln_b.add_(dbr)
         return (dx.view(x.shape) if dx is not None else None, dln_w, dln_b, None, dw1, db1, dw2, db2, None)
+
+
+def _cast(dtype, *tensors):
+    """The tensors in `dtype` (None: as they are; None entries stay None): the autocast dtype of the matrix
+    products, one cast each."""
+    if dtype is None:
+        return tensors
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
+
+
+def _addmm_(out, a, b):
+    """out += a @ b; the product in a and b's dtype (the autocast dtype under autocast), accumulated in out's."""
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+    else:
+        out.add_(torch.mm(a, b))
 
 
 class ConvMlpFunction(torch.autograd.Function):

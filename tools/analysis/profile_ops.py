@@ -1,0 +1,92 @@
+"""Where one backbone's step goes per op, in one precision: time in forward and backward, the implementation
+ops.dispatch.choose picked (reference / inference / train / checkpoint, and the piece), and the dtypes the
+matrix products, convolutions and attention kernels actually ran in. Prints a markdown table.
+
+    python tools/analysis/profile_ops.py [--model hvit3_t] [--size 800x1344] [--batch 1]
+        [--precision fp32|tf32|bf16|fp16] [--kind train|infer] [--by group|module] [--warmup 1]
+        [--device cpu|cuda] [--tiny] [--cfg-options KEY=VALUE ...] [--out profile.json]
+
+`train`: one training step (forward under the precision's autocast, backward of the summed output means; no
+optimizer step), `infer`: one no-grad forward in eval mode; each after --warmup plain steps and one timed plain
+step (the head line's figures). Rows: one per op (the innermost module that called choose, else a layer of the
+roofline's, else `other`), per stage and class (`--by group`) or per module (`--by module`), by time. What each
+column counts: mmplugin_l2/analysis/opprofile.py. Whole-model step times across models: benchmark.py.
+"""
+import argparse
+import ast
+import json
+
+import torch
+
+from mmplugin_l2.analysis import opprofile
+from mmplugin_l2.analysis.benchmark import PRECISION_TITLES, nested, parse_size
+from mmplugin_l2.analysis.measure import PRECISIONS
+from mmplugin_l2.analysis.models import MODELS, build
+
+
+def _size(s):
+    try:
+        return parse_size(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _option(text):
+    """KEY=VALUE, the value a Python literal or else a string (as benchmark.py's --cfg-options)."""
+    key, sep, value = text.partition('=')
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f'expected KEY=VALUE, got {text!r}')
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog='profile_ops.py', description=__doc__.split('\n\n')[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split('\n\n', 2)[2])
+    p.add_argument('--model', default='hvit3_t', choices=list(MODELS))
+    p.add_argument('--size', type=_size, default=(800, 1344), help='H or HxW (default 800x1344)')
+    p.add_argument('--batch', type=int, default=1)
+    p.add_argument('--precision', choices=list(PRECISIONS), default='fp32',
+                   help='fp32 (TF32 off), tf32, bf16 / fp16 (autocast)')
+    p.add_argument('--kind', choices=opprofile.KINDS, default='train')
+    p.add_argument('--by', choices=('group', 'module'), default='group')
+    p.add_argument('--warmup', type=int, default=1)
+    p.add_argument('--device', default='cpu')
+    p.add_argument('--tiny', action='store_true', help='narrow widths (a smoke test)')
+    p.add_argument('--cfg-options', nargs='+', type=_option, default=[], metavar='KEY=VALUE',
+                   help='overrides of our backbones\' arguments, dotted keys nest (e.g. fast_train=False)')
+    p.add_argument('--out', help='JSON file of the profile')
+    args = p.parse_args(argv)
+    if args.batch < 1 or args.warmup < 0:
+        p.error('--batch must be >= 1 and --warmup >= 0')
+    if args.device != 'cpu' and not args.device.startswith('cuda'):
+        p.error(f'--device {args.device!r}: allowed cpu, cuda, cuda:N')
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    dev = torch.device(args.device)
+    model = build(args.model, nested(dict(args.cfg_options)) or None, size=args.size, tiny=args.tiny).to(dev)
+    x = torch.randn(args.batch, 3, *args.size, device=dev)
+    res = opprofile.profile_ops(model, x, args.kind, args.precision, args.warmup, args.by)
+    res.update(model=args.model, size=list(args.size), batch=args.batch, device=args.device,
+               threads=torch.get_num_threads(), tiny=args.tiny, torch=torch.__version__)
+    print(f'{args.model}{" (tiny)" if args.tiny else ""} {args.size[0]}x{args.size[1]}, batch {args.batch}, '
+          f'{args.kind}, {PRECISION_TITLES[args.precision]}, {args.device} ({torch.get_num_threads()} threads), '
+          f'torch {torch.__version__}')
+    print()
+    print(opprofile.table(res), end='')
+    if args.out:
+        with open(args.out, 'w') as f:
+            json.dump(res, f, indent=1)
+        print(f'\nwrote {args.out}')
+    return res
+
+
+if __name__ == '__main__':
+    main()
