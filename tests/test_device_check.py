@@ -280,17 +280,26 @@ def _rehearsal_args(out):
             '--headline', '64/b1', '--detection', '64x96/b2', '--warmup', '0', '--iters', '1']
 
 
-def test_device_check_runs_as_on_the_gpu_machine(carry, tmp_path):
+@pytest.fixture(scope='module')
+def device_env(tmp_path_factory):
+    """device_like_env, built once for the tests below: (python, env); the image's torch, timm and cv2 are found
+    there, the system's mmengine and mmcv are out of sight (looked up without importing anything)."""
+    py, env = device_like_env(tmp_path_factory.mktemp('device_env'))
+    r = subprocess.run([py, '-c', 'import importlib.util as u\nfor m in ("torch", "timm", "cv2", "mmengine", "mmcv"): '
+                        'print(m, u.find_spec(m) is not None)'], capture_output=True, text=True, env=env, timeout=300)
+    assert r.stdout.split() == ['torch', 'True', 'timm', 'True', 'cv2', 'True', 'mmengine', 'False', 'mmcv',
+                                'False'], r.stdout + r.stderr
+    return py, env
+
+
+def test_device_check_runs_as_on_the_gpu_machine(carry, device_env, tmp_path):
     """device_check.sh --carry on the CPU (--tiny) from a copy of what travels, with the machine's packages plus
     the carry: every part's row of every model (preflight forwards, eval parity and gradients of both training
     paths against float64, bf16 and fp16 AMP steps, speed of ViT3-T vs DeiT-T and the pyramids vs Swin-T in
     each precision, in the benchmark's format)."""
-    py, env = device_like_env(tmp_path)
+    py, env = device_env
     repo = traveling_copy(tmp_path / 'repo')
     assert not (repo / 'mmplugin_l2/.mim').exists()
-    r = subprocess.run([py, '-c', 'import torch, timm, cv2\ntry:\n import mmengine\nexcept ImportError: print("ok")'],
-                       capture_output=True, text=True, env=env, timeout=300)
-    assert r.stdout.strip() == 'ok', r.stdout + r.stderr  # the system's mmengine is out of sight
     out = tmp_path / 'dc'
     t = time.time()
     r = subprocess.run(['bash', 'tools/analysis/device_check.sh', '--carry', str(carry[0]), '--budget', '1800',
@@ -348,8 +357,8 @@ def test_device_check_runs_as_on_the_gpu_machine(carry, tmp_path):
     assert 'mmengine 0.10.7' in md and '### Speed: bf16 autocast' in md and '| DeiT-T (timm) | 1 |' in md
 
 
-def test_device_check_sh_needs_the_carry(tmp_path):
-    py, env = device_like_env(tmp_path)
+def test_device_check_sh_needs_the_carry(device_env, tmp_path):
+    py, env = device_env
     r = subprocess.run(['bash', f'{ROOT}/tools/analysis/device_check.sh', '--device', 'cpu', '--out-dir',
                         str(tmp_path)], capture_output=True, text=True, env=dict(env, PYTHON=py), timeout=300)
     assert r.returncode == 1 and 'cannot import mmengine, mmcv: pass --carry DIR' in r.stderr, r.stderr
@@ -363,6 +372,15 @@ def _check(tmp_path, *args):
             '--out-dir', str(tmp_path), *args]
 
 
+def _device_check_cli():
+    """tools/analysis/device_check.py as a module (its argument checks run in this process: no interpreter start)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location('_device_check_cli', f'{ROOT}/tools/analysis/device_check.py')
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.mark.parametrize('args, message', [
     ([], 'torch sees no CUDA device'),
     (['--device', 'tpu'], "--device 'tpu': allowed cuda, cuda:N, cpu"),
@@ -371,12 +389,15 @@ def _check(tmp_path, *args):
     (['--device', 'cpu', '--budget', '0'], 'expected positive seconds'),
     (['--device', 'cpu', '--authors-code', 'ResT=/nowhere'], '--authors-code: ResT: checkout'),
 ])
-def test_device_check_bad_arguments_say_what_is_allowed(tmp_path, args, message):
+def test_device_check_bad_arguments_say_what_is_allowed(tmp_path, capsys, args, message):
+    """The argument checks (device_check.py's parse_args, which its main calls first; the runs below go through
+    the script itself): exit status 2 and a message that says what is allowed."""
     if not args and torch.cuda.is_available():
         pytest.skip('a CUDA device is present')
-    r = subprocess.run([sys.executable, f'{ROOT}/tools/analysis/device_check.py', '--out-dir', str(tmp_path), *args],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert r.returncode == 2 and message in r.stderr, r.stderr
+    with pytest.raises(SystemExit) as e:
+        _device_check_cli().parse_args(['--out-dir', str(tmp_path), *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err, err
 
 
 #: a file laid out like the authors' ViTTT backbone (narrow widths): our H-ViT3 under their names
@@ -390,34 +411,115 @@ def vittt_tiny(**kwargs):
     return HViT3(arch=dict(embed_dims=[16, 32, 64, 64], depths=[1, 1, 2, 1], num_heads=[1, 1, 2, 2]), **kwargs)
 """
 
+#: the speed jobs of the `faults` run below, in order
+FAULTS_64 = ['hvit3_t 64/b1', 'hvit3_t@authors 64/b1', 'l2vit_t 64/b1', 'rest_s 64/b1', 'swin_t 64/b1']
+FAULTS_2048 = ['hvit3_t 2048/b4', 'hvit3_t@authors 2048/b4', 'l2vit_t 2048/b4', 'rest_s 2048/b4', 'swin_t 2048/b4']
 
-def test_device_check_failing_model_keeps_its_traceback_and_the_others_rows(tmp_path):
+
+def _read_json(path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):  # not written yet
+        return None
+
+
+def _wait_for(path, ready, proc, deadline):
+    """Poll the results file `path` until ready(results) holds; False if `proc` ended or the deadline passed."""
+    while time.time() < deadline and proc.poll() is None:
+        res = _read_json(path)
+        if res is not None and ready(res):
+            return True
+        time.sleep(0.25)
+    return False
+
+
+def _start(cmd, out):
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / 'stdout.txt', 'w') as so, open(out / 'stderr.txt', 'w') as se:
+        return subprocess.Popen(cmd, stdout=so, stderr=se, text=True, cwd=ROOT, start_new_session=True,
+                                env=dict(os.environ, OMP_NUM_THREADS='1'))
+
+
+@pytest.fixture(scope='module')
+def fault_runs(tmp_path_factory):
+    """Two runs of device_check.py (--tiny, CPU) with planted faults, side by side: `hang` sleeps through most of
+    its run (its planted hang), and `faults` computes meanwhile, so the pair takes little more than `hang` alone.
+
+    * hang: parity then speed of vit3_t and rest_s within a budget of 100 s; rest_s hangs in parity (planted), so
+      its time limit (the rest of the parity part) ends it; the speed part comes after it.
+    * faults: parity then speed of hvit3_t, l2vit_t and rest_s, with a stand-in checkout of the authors' ViTTT;
+      building l2vit_t raises (planted); SIGTERM (device_check.sh's hard limit) arrives inside the first job of
+      the second speed entry (2048/b4), after a snapshot of the results written so far.
+
+    Returns: {'hang': dict(out, rc, res, log), 'faults': dict(out, rc, res, log, running, snapshot, snapshot_md)}.
+    """
+    base = tmp_path_factory.mktemp('fault_runs')
+    runs = dict(hang=dict(out=base / 'hang'), faults=dict(out=base / 'faults'))
+    vittt = base / 'ViTTT' / _authors_file('ViTTT')
+    vittt.parent.mkdir(parents=True)
+    vittt.write_text(FAKE_VITTT)
+    hang = _start(_check(runs['hang']['out'], '--parts', 'parity', 'speed', '--models', 'vit3_t', 'rest_s',
+                         '--parity-size', '32', '--headline', '--detection', '64/b1', '--precisions', 'fp32',
+                         '--warmup', '0', '--iters', '1', '--budget', '100', '--preflight-s', '20',
+                         '--plant-hang', 'parity:rest_s'), runs['hang']['out'])
+    procs = dict(hang=hang)
+    try:
+        # the second run starts once the first's preflight is done (it has 20 s, not to be shared)
+        _wait_for(runs['hang']['out'] / 'device_check.json',
+                  lambda r: 'all' in r['parts'].get('preflight', {}).get('rows', {}), hang, time.time() + 300)
+        f = runs['faults']
+        js = f['out'] / 'device_check.json'
+        p = procs['faults'] = _start(_check(
+            f['out'], '--parts', 'parity', 'speed', '--models', 'hvit3_t', 'l2vit_t', 'rest_s', '--parity-size', '32',
+            '--headline', '--detection', '64/b1', '2048/b4', '--precisions', 'fp32', '--warmup', '0', '--iters', '1',
+            '--budget', '900', '--preflight-s', '120', '--authors-code', f'ViTTT={base / "ViTTT"}',
+            '--plant-fault', 'l2vit_t'), f['out'])
+        if _wait_for(js, lambda r: 'swin_t 64/b1' in r['parts'].get('speed', {}).get('rows', {}), p,
+                     time.time() + 600):
+            f['snapshot'], f['snapshot_md'] = _read_json(js), (f['out'] / 'device_check.md').read_text()
+            time.sleep(3)  # inside hvit3_t 2048/b4 now (seconds of work at that size)
+            f['running'] = p.poll() is None
+            p.send_signal(signal.SIGTERM)
+        deadline = time.time() + 300
+        for name, proc in procs.items():
+            try:
+                runs[name]['rc'] = proc.wait(timeout=max(1., deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                runs[name]['rc'] = 'still running after 300 s'
+    finally:  # a run still going (a test failing): it and the model process it waits for
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    for r in runs.values():
+        r['res'] = _read_json(r['out'] / 'device_check.json')
+        r['log'] = (r['out'] / 'stderr.txt').read_text()[-3000:]
+    return runs
+
+
+def _authors_file(family):
+    from mmplugin_l2.analysis.authors import FAMILIES
+    return FAMILIES[family][1]
+
+
+def test_device_check_failing_model_keeps_its_traceback_and_the_others_rows(fault_runs):
     """A model that fails (planted: building it raises) has its whole traceback saved under errors/ and linked
     from the JSON and the Markdown, in every part; the other models' rows are all there, the authors' code
     (a stand-in checkout) beside ours in the speed part."""
-    from mmplugin_l2.analysis.authors import FAMILIES
-    vittt = tmp_path / 'ViTTT' / FAMILIES['ViTTT'][1]
-    vittt.parent.mkdir(parents=True)
-    vittt.write_text(FAKE_VITTT)
-    r = subprocess.run(_check(tmp_path, '--parts', 'parity', 'speed', '--models', 'hvit3_t', 'l2vit_t', 'rest_s',
-                              '--parity-size', '32', '--headline', '--detection', '64/b1', '--precisions', 'fp32',
-                              '--warmup', '0', '--iters', '1', '--budget', '900', '--preflight-s', '120',
-                              '--authors-code', f'ViTTT={tmp_path / "ViTTT"}', '--plant-fault', 'l2vit_t'),
-                       capture_output=True, text=True, cwd=ROOT, timeout=900, env=dict(os.environ, OMP_NUM_THREADS='1'))
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads((tmp_path / 'device_check.json').read_text())
-    md = (tmp_path / 'device_check.md').read_text()
+    run = fault_runs['faults']
+    out, res = run['out'], run['res']
+    assert run['rc'] == 0 and res is not None, run['log']
+    md = (out / 'device_check.md').read_text()
     rows = [res['parts']['preflight']['rows']['all']['forward']['l2vit_t'], res['parts']['parity']['rows']['l2vit_t'],
             res['parts']['speed']['rows']['l2vit_t 64/b1']]
     for row in rows:
         assert row['error'] == 'RuntimeError: planted fault in l2vit_t (--plant-fault)', row
-        text = (tmp_path / row['error_file']).read_text()
+        text = (out / row['error_file']).read_text()
         assert text.count('Traceback (most recent call last)') == 1 and text.count('device_check.py", line') >= 2, text
         assert text.rstrip().endswith('RuntimeError: planted fault in l2vit_t (--plant-fault)'), text
         assert f'([full text]({row["error_file"]}))' in md
     speed = res['parts']['speed']['rows']
-    assert list(speed) == ['hvit3_t 64/b1', 'hvit3_t@authors 64/b1', 'l2vit_t 64/b1', 'rest_s 64/b1',
-                           'swin_t 64/b1'], speed
+    assert [j for j in speed if j.endswith(' 64/b1')] == FAULTS_64, speed
     for m in ('hvit3_t', 'rest_s'):
         assert res['parts']['parity']['rows'][m]['grad_fast']['ok']
     for job in ('hvit3_t 64/b1', 'hvit3_t@authors 64/b1', 'rest_s 64/b1', 'swin_t 64/b1'):
@@ -426,54 +528,41 @@ def test_device_check_failing_model_keeps_its_traceback_and_the_others_rows(tmp_
     assert "| H-ViT3-T vs H-ViT3-T (authors' code) | 1 | 64×64 |" in md
 
 
-def test_device_check_model_time_limit(tmp_path):
+def test_device_check_model_time_limit(fault_runs):
     """A model that runs past its time limit (planted: it hangs in parity) loses its own row only: the model
     before it, the next part and that model's row there are all kept; the timeout's text is saved."""
-    r = subprocess.run(_check(tmp_path, '--parts', 'parity', 'amp', '--models', 'vit3_t', 'rest_s',
-                              '--parity-size', '32', '--amp-size', '32', '--budget', '100', '--preflight-s', '20',
-                              '--plant-hang', 'parity:rest_s'),
-                       capture_output=True, text=True, cwd=ROOT, timeout=300, env=dict(os.environ, OMP_NUM_THREADS='1'))
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads((tmp_path / 'device_check.json').read_text())
-    parity, amp = res['parts']['parity']['rows'], res['parts']['amp']['rows']
+    run = fault_runs['hang']
+    out, res = run['out'], run['res']
+    assert run['rc'] == 0 and res is not None, run['log']
+    parity, speed = res['parts']['parity']['rows'], res['parts']['speed']['rows']
     assert parity['vit3_t']['grad_plain']['ok'], parity
     assert parity['rest_s']['error'].startswith('timed out after'), parity['rest_s']
-    assert (tmp_path / parity['rest_s']['error_file']).read_text().startswith('timed out after')
+    assert (out / parity['rest_s']['error_file']).read_text().startswith('timed out after')
     assert res['wall_s'] < 100 and parity['rest_s']['wall_s'] <= res['parts']['parity']['planned_end_s']
-    assert all(amp[m]['bf16']['grads_finite'] for m in ('vit3_t', 'rest_s')), amp
+    assert res['complete'] and list(speed) == ['rest_s 64/b1', 'swin_t 64/b1'], speed
+    for job, row in speed.items():
+        assert 'error' not in row and {s['kind'] for s in row['samples']} == {'infer', 'train'}, (job, row)
+        assert not [s for s in row['samples'] if 'error' in s], row
 
 
-def test_device_check_keeps_finished_models_when_stopped(tmp_path):
+def test_device_check_keeps_finished_models_when_stopped(fault_runs):
     """SIGTERM (device_check.sh's hard limit) during the speed part: the rows of the models finished before,
     in earlier parts and in the speed part itself, are on disk (JSON and Markdown, written after each model),
     the model it was in says it was stopped, the rest say not run."""
-    p = subprocess.Popen(_check(tmp_path, '--parts', 'parity', 'speed', '--models', 'rest_s', '--parity-size', '32',
-                                '--headline', '--detection', '64/b1', '2048/b4', '--precisions', 'fp32',
-                                '--warmup', '0', '--iters', '1', '--budget', '900'),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                         env=dict(os.environ, OMP_NUM_THREADS='1'))
-    js = tmp_path / 'device_check.json'
-    deadline = time.time() + 600
-    while time.time() < deadline and p.poll() is None:
-        if js.exists() and 'swin_t 64/b1' in json.loads(js.read_text())['parts'].get('speed', {}).get('rows', {}):
-            break
-        time.sleep(0.5)
-    assert p.poll() is None, p.communicate()
-    part = json.loads(js.read_text())
+    run = fault_runs['faults']
+    part, res = run.get('snapshot'), run['res']
+    assert part is not None and run['running'], run['log']  # still running when the signal was sent
     assert part['complete'] is False and list(part['parts']) == ['preflight', 'parity', 'speed'], part['parts']
-    assert list(part['parts']['speed']['rows']) == ['rest_s 64/b1', 'swin_t 64/b1'], part['parts']['speed']
-    assert '| ResT-S | 1 |' in (tmp_path / 'device_check.md').read_text()
-    time.sleep(5)  # inside rest_s 2048/b4 now
-    p.send_signal(signal.SIGTERM)
-    p.communicate(timeout=120)
-    assert p.returncode == 0
-    res = json.loads(js.read_text())
+    assert list(part['parts']['speed']['rows']) == FAULTS_64, part['parts']['speed']
+    assert '| ResT-S | 1 |' in run['snapshot_md']
+    assert run['rc'] == 0, run['log']
     assert res['complete'] is False and res['parts']['parity'] == part['parts']['parity']
     speed = res['parts']['speed']['rows']
-    assert list(speed) == ['rest_s 64/b1', 'swin_t 64/b1', 'rest_s 2048/b4', 'swin_t 2048/b4'], speed
-    assert all(speed[k] == part['parts']['speed']['rows'][k] for k in ('rest_s 64/b1', 'swin_t 64/b1'))
-    assert speed['rest_s 2048/b4']['error'].startswith('stopped by signal 15'), speed
-    assert speed['swin_t 2048/b4']['error'].startswith('not run: stopped by signal 15'), speed
-    md = (tmp_path / 'device_check.md').read_text()
+    assert list(speed) == FAULTS_64 + FAULTS_2048, speed
+    assert all(speed[k] == part['parts']['speed']['rows'][k] for k in FAULTS_64)
+    assert speed['hvit3_t 2048/b4']['error'].startswith('stopped by signal 15'), speed
+    for job in FAULTS_2048[1:]:
+        assert speed[job]['error'].startswith('not run: stopped by signal 15'), speed
+    md = (run['out'] / 'device_check.md').read_text()
     assert '## parity' in md and '| ResT-S | 1 |' in md and 'failed: stopped by signal' in md
     assert '(not complete)' in md

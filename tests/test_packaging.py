@@ -122,21 +122,43 @@ def venv_over_this_environment(venv):
     return py, env
 
 
-@pytest.mark.parametrize('setuptools_spec', ['setuptools', 'setuptools>=82'])
-def test_install_script_gives_mim_and_base_configs(tmp_path, setuptools_spec):
-    """tools/install.sh in a scratch venv (the stack from this environment, so only our install step is new), on a
-    copy of the repository, starting from the setuptools pip resolves and from the newest one (which has no
-    pkg_resources, needed by mim and mmengine): afterwards `mim search`, `_base_ = 'mmplugin_l2::...'` from a user
-    folder and `mim train mmplugin_l2 CONFIG` all find the copy's configs and tools."""
-    repo, venv, user = tmp_path / 'repo', tmp_path / 'venv', tmp_path / 'user'
-    _copy_tracked_files(repo)
-    py, env = venv_over_this_environment(venv)
-    subprocess.run([py, '-m', 'pip', 'install', '-q', '-U', setuptools_spec], check=True, env=env, timeout=300)
-    r = subprocess.run(['bash', str(repo / 'tools' / 'install.sh'), '--force'], env=dict(env, PYTHON=py),
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+@pytest.fixture(scope='module')
+def two_clones_installed(tmp_path_factory):
+    """tools/install.sh twice into one scratch venv (the stack from this environment, so only our install step is
+    new), each time on a fresh copy of the repository as a clone has it: `first` with --force, starting from the
+    newest setuptools (>= 82, without pkg_resources, which mim and mmengine need; also what a plain `pip install
+    -U setuptools` resolves to), then `second` without --force (the check whether the stack is installed runs
+    first and finds `first`), starting from the setuptools the first install left.
 
-    user.mkdir()
+    Returns: dict(first, second, user (an empty folder outside both), py, env, runs ({name: CompletedProcess}))."""
+    tmp = tmp_path_factory.mktemp('two_clones')
+    py, env = venv_over_this_environment(tmp / 'venv')
+    subprocess.run([py, '-m', 'pip', 'install', '-q', '-U', 'setuptools>=82'], check=True, env=env, timeout=300)
+    runs = {}
+    for name, args in (('first', ['--force']), ('second', [])):
+        _copy_tracked_files(tmp / name)
+        runs[name] = subprocess.run(['bash', str(tmp / name / 'tools' / 'install.sh'), *args],
+                                    env=dict(env, PYTHON=py), capture_output=True, text=True, timeout=900)
+        if runs[name].returncode:
+            break
+    (tmp / 'user').mkdir()
+    return dict(first=tmp / 'first', second=tmp / 'second', user=tmp / 'user', py=py, env=env, runs=runs)
+
+
+def _installs_ok(inst):
+    for name in ('first', 'second'):
+        r = inst['runs'].get(name)
+        assert r is not None and r.returncode == 0, (name, r and r.stdout[-3000:] + r.stderr[-3000:])
+
+
+def test_install_script_gives_mim_and_base_configs(two_clones_installed):
+    """tools/install.sh from the newest setuptools (the first install) and from one already in range (the second):
+    afterwards the venv's own setuptools is below 82 again (with pkg_resources), and `mim search`, `_base_ =
+    'mmplugin_l2::...'` from a user folder and `mim train mmplugin_l2 CONFIG` all find the installed copy's configs
+    and tools."""
+    inst = two_clones_installed
+    _installs_ok(inst)
+    repo, user, py, env = inst['second'], inst['user'], inst['py'], inst['env']
     r = subprocess.run([py, '-m', 'mim', 'search', 'mmplugin_l2', '--field', 'config'], cwd=str(user), env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -144,11 +166,17 @@ def test_install_script_gives_mim_and_base_configs(tmp_path, setuptools_spec):
     assert len(listed) == len(list((repo / 'configs').glob('mm*/*.py'))) > 0
 
     (user / 'my_config.py').write_text("_base_ = 'mmplugin_l2::mmdet/mask_rcnn_l2vit_t_1x.py'\n")
-    code = ("import mmplugin_l2, os.path as osp; from mmengine.config import Config; "
-            "c = Config.fromfile('my_config.py'); print(c.model.backbone.type, osp.dirname(mmplugin_l2.__file__))")
-    r = subprocess.run([py, '-c', code], cwd=str(user), env=env, capture_output=True, text=True, timeout=300)
+    code = ("import mmplugin_l2, os.path as osp, sys, importlib.metadata as m, pkg_resources; "
+            "from mmengine.config import Config; c = Config.fromfile('my_config.py'); "
+            "print(m.version('setuptools'), osp.relpath(pkg_resources.__file__, sys.prefix), c.model.backbone.type, "
+            "osp.dirname(mmplugin_l2.__file__))")
+    r = subprocess.run([py, '-W', 'ignore', '-c', code], cwd=str(user), env=env, capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    btype, pkg = r.stdout.split()[-2:]
+    setuptools, pkg_resources, btype, pkg = r.stdout.split()[-4:]
+    # the venv's own setuptools is back below 82, with its pkg_resources (this environment's, on the venv's path
+    # after its own, would hide a missing one)
+    assert int(setuptools.split('.')[0]) < 82 and not pkg_resources.startswith('..'), (setuptools, pkg_resources)
     assert btype == 'L2ViT' and osp.samefile(pkg, repo / 'mmplugin_l2')
 
     # mim runs <location>/mmplugin_l2/.mim/tools/train.py, i.e. the copy's tools/train.py (its --help, no training)
@@ -158,22 +186,17 @@ def test_install_script_gives_mim_and_base_configs(tmp_path, setuptools_spec):
     assert r.returncode == 0 and '--cfg-options' in r.stdout and '--resume' in r.stdout, r.stdout[-2000:] + r.stderr
 
 
-def test_install_script_moves_the_install_to_another_clone(tmp_path):
+def test_install_script_moves_the_install_to_another_clone(two_clones_installed):
     """A second clone installed into the same environment takes over: its line replaces the first clone's in
     easy-install.pth (pip leaves a development install outside the environment's prefix alone), so both
     `import mmplugin_l2` and mim find the second one."""
-    venv = tmp_path / 'venv'
-    py, env = venv_over_this_environment(venv)
-    env['PYTHON'] = py
-    for name in ('first', 'second'):
-        _copy_tracked_files(tmp_path / name)
-        r = subprocess.run(['bash', str(tmp_path / name / 'tools' / 'install.sh')], env=env, capture_output=True,
-                           text=True, timeout=900)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    inst = two_clones_installed
+    _installs_ok(inst)
     code = ("import mmplugin_l2, pkg_resources; "
             "print(mmplugin_l2.__file__, pkg_resources.get_distribution('mmplugin_l2').location)")
-    r = subprocess.run([py, '-W', 'ignore', '-c', code], cwd=str(tmp_path), env=env, capture_output=True, text=True)
+    r = subprocess.run([inst['py'], '-W', 'ignore', '-c', code], cwd=str(inst['user']), env=inst['env'],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     module, location = r.stdout.split()
-    assert osp.samefile(osp.dirname(module), tmp_path / 'second' / 'mmplugin_l2')
-    assert osp.samefile(location, tmp_path / 'second')
+    assert osp.samefile(osp.dirname(module), inst['second'] / 'mmplugin_l2')
+    assert osp.samefile(location, inst['second'])

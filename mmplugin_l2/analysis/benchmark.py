@@ -62,6 +62,29 @@ def parse_size(s):
     return size
 
 
+def size_arg(s):
+    """argparse type of a size: `parse_size`, its error as argparse's."""
+    import argparse
+    try:
+        return parse_size(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def option_arg(text):
+    """argparse type of `--cfg-options`: KEY=VALUE -> (KEY, value), the value a Python literal (True, None,
+    1048576, (1, 2)) or else a string."""
+    import argparse
+    import ast
+    key, sep, value = text.partition('=')
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f'expected KEY=VALUE, got {text!r}')
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
 def nested(options):
     """{'a.b': v} -> {'a': {'b': v}}: dotted keys of `--cfg-options` as nested arguments."""
     out = {}

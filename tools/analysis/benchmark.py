@@ -28,7 +28,6 @@ resolution, written between the generated markers of --doc; one set of tables pe
 (fp32 samples; a file without any: its first precision) to --plot.
 """
 import argparse
-import ast
 import json
 import os
 import os.path as osp
@@ -42,22 +41,7 @@ from mmplugin_l2.analysis.models import MODELS, label
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 
-def _option(text):
-    """KEY=VALUE, the value a Python literal (True, None, 1048576, (1, 2)) or else a string."""
-    key, sep, value = text.partition('=')
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f'expected KEY=VALUE, got {text!r}')
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return key, value
-
-
-def _size(s):
-    try:
-        return bm.parse_size(s)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+_option, _size = bm.option_arg, bm.size_arg
 
 
 def parse_args(argv=None):

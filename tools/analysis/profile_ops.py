@@ -13,33 +13,14 @@ roofline's, else `other`), per stage and class (`--by group`) or per module (`--
 column counts: mmplugin_l2/analysis/opprofile.py. Whole-model step times across models: benchmark.py.
 """
 import argparse
-import ast
 import json
 
 import torch
 
 from mmplugin_l2.analysis import opprofile
-from mmplugin_l2.analysis.benchmark import PRECISION_TITLES, nested, parse_size
+from mmplugin_l2.analysis.benchmark import PRECISION_TITLES, nested, option_arg, size_arg
 from mmplugin_l2.analysis.measure import PRECISIONS
 from mmplugin_l2.analysis.models import MODELS, build
-
-
-def _size(s):
-    try:
-        return parse_size(s)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _option(text):
-    """KEY=VALUE, the value a Python literal or else a string (as benchmark.py's --cfg-options)."""
-    key, sep, value = text.partition('=')
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f'expected KEY=VALUE, got {text!r}')
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return key, value
 
 
 def parse_args(argv=None):
@@ -47,7 +28,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split('\n\n', 2)[2])
     p.add_argument('--model', default='hvit3_t', choices=list(MODELS))
-    p.add_argument('--size', type=_size, default=(800, 1344), help='H or HxW (default 800x1344)')
+    p.add_argument('--size', type=size_arg, default=(800, 1344), help='H or HxW (default 800x1344)')
     p.add_argument('--batch', type=int, default=1)
     p.add_argument('--precision', choices=list(PRECISIONS), default='fp32',
                    help='fp32 (TF32 off), tf32, bf16 / fp16 (autocast)')
@@ -56,7 +37,7 @@ def parse_args(argv=None):
     p.add_argument('--warmup', type=int, default=1)
     p.add_argument('--device', default='cpu')
     p.add_argument('--tiny', action='store_true', help='narrow widths (a smoke test)')
-    p.add_argument('--cfg-options', nargs='+', type=_option, default=[], metavar='KEY=VALUE',
+    p.add_argument('--cfg-options', nargs='+', type=option_arg, default=[], metavar='KEY=VALUE',
                    help='overrides of our backbones\' arguments, dotted keys nest (e.g. fast_train=False)')
     p.add_argument('--out', help='JSON file of the profile')
     args = p.parse_args(argv)
