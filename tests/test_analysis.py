@@ -503,21 +503,23 @@ def test_training_step_and_gradients_with_and_without_a_grad_scaler():
 
 
 def test_fresh_process_runner_keeps_results_printed_before_a_failure():
-    from mmplugin_l2.analysis.measure import failure_line, run_fresh
-    code = ('from mmplugin_l2.analysis.measure import emit\nimport time, sys\nemit({"a": 1})\n'
-            'mode = sys.argv[1]\nif mode == "raise": raise KeyError("boom")\n'
-            'if mode == "hang": time.sleep(300)\nemit({"b": 2})')
+    """`run_fresh` keeps what a process printed (`emit`) before it failed or ran past its time limit. The hanging
+    process prints its result line in emit's format (RESULT + JSON) without importing torch, so that it prints at
+    once even on a loaded machine (a parallel test run) and a short limit ends it; it runs beside the other two."""
     from concurrent.futures import ThreadPoolExecutor
-    # the hang's run beside the other two processes, not after them; its time limit leaves a loaded machine (a
-    # parallel test run) time to import torch before the first result
+
+    from mmplugin_l2.analysis.measure import RESULT, failure_line, run_fresh
+    code = ('from mmplugin_l2.analysis.measure import emit\nimport sys\nemit({"a": 1})\n'
+            'if sys.argv[1] == "raise": raise KeyError("boom")\nemit({"b": 2})')
+    hang_code = f'import json, time\nprint({RESULT!r} + json.dumps({{"a": 1}}), flush=True)\ntime.sleep(300)'
     with ThreadPoolExecutor(1) as pool:
-        hang = pool.submit(run_fresh, ['-c', code, 'hang'], timeout=30)
+        hang = pool.submit(run_fresh, ['-c', hang_code], timeout=5)
         assert run_fresh(['-c', code, 'ok']) == ([{'a': 1}, {'b': 2}], None)
         res, fail = run_fresh(['-c', code, 'raise'])
         assert res == [{'a': 1}] and fail.startswith('exit status 1\n') and 'Traceback' in fail
         assert failure_line(fail) == "KeyError: 'boom'"
         res, fail = hang.result()
-    assert res == [{'a': 1}] and failure_line(fail) == 'timed out after 30 s'
+    assert res == [{'a': 1}] and failure_line(fail) == 'timed out after 5 s'
 
 
 # ---- roofline (tools/analysis/roofline.py) ------------------------------------------------------------
