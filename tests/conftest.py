@@ -21,6 +21,38 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(os.cpu_count() or 1, 4))
 
 
+#: files whose module-scoped fixture is parametrised by a case that takes minutes: each case is its own unit of work
+SPLIT_BY_CASE = ('tests/test_compile.py',)
+#: units of work handed out first (longest first, so that no worker is left with a long one at the end), in this
+#: order; the rest follow in xdist's order
+FIRST = ('tests/test_compile.py', 'tests/test_tools.py', 'tests/test_device_check.py', 'tests/test_packaging.py',
+         'tests/test_configs.py', 'tests/test_analysis.py')
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (pytest.ini) with two changes: the cases of SPLIT_BY_CASE files are separate units (they
+    run on different workers at once), and the FIRST units are handed out first."""
+    if config.getoption('dist') != 'loadfile':
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LongestFirst(LoadFileScheduling):
+
+        def _split_scope(self, nodeid):
+            path = nodeid.split('::', 1)[0]
+            if path in SPLIT_BY_CASE and nodeid.endswith(']'):
+                return path + nodeid[nodeid.index('['):]
+            return path
+
+        def _assign_work_unit(self, node):
+            rank = [next((i for i, f in enumerate(FIRST) if s.startswith(f)), len(FIRST)) for s in self.workqueue]
+            scope = list(self.workqueue)[rank.index(min(rank))]
+            self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+    return LongestFirst(config, log)
+
+
 #: a narrow H-ViT3 for tests where the architecture, not the width, is the point
 TINY_HVIT3 = dict(embed_dims=[16, 32, 64, 64], depths=[1, 1, 2, 1], num_heads=[1, 1, 2, 2])
 #: a narrow L2ViT: every stage has an LWA and an LGA block

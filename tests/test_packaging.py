@@ -125,20 +125,24 @@ def venv_over_this_environment(venv):
 @pytest.fixture(scope='module')
 def two_clones_installed(tmp_path_factory):
     """tools/install.sh twice into one scratch venv (the stack from this environment, so only our install step is
-    new), each time on a fresh copy of the repository as a clone has it: `first` with --force, starting from the
-    newest setuptools (>= 82, without pkg_resources, which mim and mmengine need; also what a plain `pip install
-    -U setuptools` resolves to), then `second` without --force (the check whether the stack is installed runs
-    first and finds `first`), starting from the setuptools the first install left.
+    new), each time on a fresh copy of the repository as a clone has it: `first` with --force and its pip steps
+    skipped (a python whose `-m pip` does nothing: what they install is in this environment already; the rest of
+    the script, our development install, runs), then `second` without --force (the check whether the stack is
+    installed runs first and finds `first`), all of it, starting from the newest setuptools (>= 82, without
+    pkg_resources, which mim and mmengine need; also what a plain `pip install -U setuptools` resolves to).
 
     Returns: dict(first, second, user (an empty folder outside both), py, env, runs ({name: CompletedProcess}))."""
     tmp = tmp_path_factory.mktemp('two_clones')
     py, env = venv_over_this_environment(tmp / 'venv')
     subprocess.run([py, '-m', 'pip', 'install', '-q', '-U', 'setuptools>=82'], check=True, env=env, timeout=300)
+    no_pip = tmp / 'python_without_pip'
+    no_pip.write_text(f'#!/bin/sh\n[ "$1" = -m ] && [ "$2" = pip ] && exit 0\nexec {py} "$@"\n')
+    no_pip.chmod(0o755)
     runs = {}
-    for name, args in (('first', ['--force']), ('second', [])):
+    for name, python, args in (('first', no_pip, ['--force']), ('second', py, [])):
         _copy_tracked_files(tmp / name)
         runs[name] = subprocess.run(['bash', str(tmp / name / 'tools' / 'install.sh'), *args],
-                                    env=dict(env, PYTHON=py), capture_output=True, text=True, timeout=900)
+                                    env=dict(env, PYTHON=str(python)), capture_output=True, text=True, timeout=900)
         if runs[name].returncode:
             break
     (tmp / 'user').mkdir()
@@ -152,10 +156,9 @@ def _installs_ok(inst):
 
 
 def test_install_script_gives_mim_and_base_configs(two_clones_installed):
-    """tools/install.sh from the newest setuptools (the first install) and from one already in range (the second):
-    afterwards the venv's own setuptools is below 82 again (with pkg_resources), and `mim search`, `_base_ =
-    'mmplugin_l2::...'` from a user folder and `mim train mmplugin_l2 CONFIG` all find the installed copy's configs
-    and tools."""
+    """tools/install.sh (the second install, from the newest setuptools): afterwards the venv's own setuptools is
+    below 82 again (with pkg_resources), and `mim search`, `_base_ = 'mmplugin_l2::...'` from a user folder and
+    `mim train mmplugin_l2 CONFIG` all find the installed copy's configs and tools."""
     inst = two_clones_installed
     _installs_ok(inst)
     repo, user, py, env = inst['second'], inst['user'], inst['py'], inst['env']
