@@ -23,11 +23,13 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST
 from mmplugin_l2.models.backbones import HViT3, L2ViT, ResT, ViT3
 
+#: the tiny archs with one block per stage (L2ViT: an LWA and an LGA block in stage 1, an LWA block in the others):
+#: the time goes into tracing and code generation, which grow with the blocks
 BUILDERS = {
-    'hvit3': lambda **kw: HViT3(arch=TINY_HVIT3, drop_path_rate=0., **kw),
+    'hvit3': lambda **kw: HViT3(arch=dict(TINY_HVIT3, depths=[1, 1, 1, 1]), drop_path_rate=0., **kw),
     'vit3': lambda **kw: ViT3(arch=dict(embed_dims=32, num_layers=2, num_heads=2), out_indices=(0, 1), **kw),
-    'l2vit': lambda **kw: L2ViT(arch=TINY_L2VIT, drop_path_rate=0., **kw),
-    'rest': lambda **kw: ResT(arch=TINY_REST, drop_path_rate=0., **kw),
+    'l2vit': lambda **kw: L2ViT(arch=dict(TINY_L2VIT, depths=[2, 1, 1, 1]), drop_path_rate=0., **kw),
+    'rest': lambda **kw: ResT(arch=dict(TINY_REST, depths=[1, 1, 1, 1]), drop_path_rate=0., **kw),
 }
 #: (family, with_cp, backend), the longest first (each case is its own unit of work under pytest-xdist: conftest.py)
 DEFAULT_CASES = [('hvit3', False, 'inductor'), ('rest', True, 'inductor'), ('hvit3', True, 'aot_eager'),

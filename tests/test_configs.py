@@ -109,11 +109,29 @@ SEG_BN = {'model.decode_head.norm_cfg': dict(type='BN', requires_grad=True),
           'model.auxiliary_head.norm_cfg': dict(type='BN', requires_grad=True)}
 
 
+#: the AMP variants (as mmdet's Swin `_amp` configs) -> the config they inherit
+AMP = {f'{lib}/{name.format(amp="_amp")}': f'{lib}/{name.format(amp="")}'
+       for fam, size in (('l2vit', 't'), ('rest', 's'))
+       for lib, name in (('mmdet', f'mask_rcnn_{fam}_{size}{{amp}}_1x.py'),
+                         ('mmdet', f'retinanet_{fam}_{size}{{amp}}_1x.py'),
+                         ('mmseg', f'upernet_{fam}_{size}{{amp}}_512x512_160k_ade20k.py'))}
+
+
 def test_every_config_is_covered():
     import glob
     found = {osp.relpath(p, CFG_ROOT) for d in ('mmdet', 'mmseg', 'mmpretrain')
              for p in glob.glob(f'{CFG_ROOT}/{d}/*.py')}
-    assert found == set(ALL), sorted(found ^ set(ALL))
+    assert found == set(ALL) | set(AMP), sorted(found ^ (set(ALL) | set(AMP)))
+
+
+@pytest.mark.parametrize('rel', sorted(AMP))
+def test_amp_config_is_its_base_under_amp(rel):
+    """An `_amp` config is the config it inherits with mmengine's AmpOptimWrapper (dynamic loss scale, the
+    autocast dtype left to mmengine: fp16 on CUDA) and nothing else changed."""
+    amp, base = load(rel).to_dict(), load(AMP[rel]).to_dict()
+    optim, base_optim = amp.pop('optim_wrapper'), base.pop('optim_wrapper')
+    assert amp == base
+    assert optim == dict(base_optim, type='AmpOptimWrapper', loss_scale='dynamic'), optim
 
 
 ENV = dict(MMPLUGIN_L2_COCO='/d/coco', MMPLUGIN_L2_ADE='/d/ade', MMPLUGIN_L2_IMAGENET='/d/in',

@@ -1,6 +1,7 @@
 """End to end through the real mmengine Runner: tools/train.py and tools/test.py on generated data for
 mmdet (Mask R-CNN, COCO AP), mmseg (UperNet, mIoU) and mmpretrain (top-1), checkpoint save -> load with
-torch's safe loader, --resume, a 2-process distributed run on CPU (gloo), and the missing-data message."""
+torch's safe loader, --resume, --show-dir (det, seg, cls), a 2-process distributed run on CPU (gloo), and the
+missing-data message."""
 import glob
 import json
 import os
@@ -44,6 +45,19 @@ def run(workdir, *args, tool='train.py', check=True, env=None):
     return r
 
 
+def assert_drawn(workdir, work_dir, img_dir):
+    """--show-dir vis, one rule for det / seg / cls: a relative DIR is <work_dir>/<timestamp>/DIR, one drawn file
+    per test image (the four under data/demo/`img_dir`), named like the image. Returns the image names."""
+    images = sorted(osp.basename(p) for p in glob.glob(str(workdir / 'data/demo' / img_dir / '**/*'), recursive=True)
+                    if p.lower().endswith(('.jpg', '.jpeg')))
+    assert len(images) == 4
+    wd = workdir / work_dir
+    (stamp,) = [d for d in os.listdir(wd) if osp.isdir(wd / d)]
+    assert sorted(os.listdir(wd / stamp / 'vis')) == images
+    assert not osp.exists(workdir / 'vis')
+    return images
+
+
 def test_mmdet_train_then_test(workdir):
     cfg = write_cfg(workdir, 'det', 'mask_rcnn_hvit3_t_demo.py', (
         f"model = dict({TINY}, neck=dict(in_channels=[16, 32, 64, 64]))\n"
@@ -59,8 +73,7 @@ def test_mmdet_train_then_test(workdir):
     for key in ('coco/bbox_mAP', 'coco/bbox_mAP_50', 'coco/segm_mAP'):
         assert key in metrics and 0.0 <= metrics[key] <= 1.0, metrics
         assert key in r.stdout
-    drawn = glob.glob(str(workdir / 'wd_det_test' / '*' / 'vis' / '*.jpg'))
-    assert len(drawn) == 4
+    assert_drawn(workdir, 'wd_det_test', 'coco/val2017')
 
 
 def test_mmseg_train_then_test(workdir):
@@ -73,10 +86,12 @@ def test_mmseg_train_then_test(workdir):
     run(workdir, cfg, '--work-dir', 'wd_seg')
     ckpt = workdir / 'wd_seg' / 'iter_2.pth'
     assert ckpt.is_file()
-    r = run(workdir, cfg, ckpt, '--work-dir', 'wd_seg_test', '--out', 'seg.json', tool='test.py')
+    r = run(workdir, cfg, ckpt, '--work-dir', 'wd_seg_test', '--show-dir', 'vis', '--out', 'seg.json',
+            tool='test.py')
     metrics = json.loads((workdir / 'seg.json').read_text())
     assert 'mIoU' in metrics and 0.0 <= metrics['mIoU'] <= 100.0
     assert 'mIoU' in r.stdout
+    assert_drawn(workdir, 'wd_seg_test', 'ade/ADEChallengeData2016/images/validation')
 
 
 def cls_cfg(workdir, name='cls', extra=''):
@@ -96,10 +111,16 @@ def test_mmpretrain_train_resume_test(workdir):
     log = r.stdout + r.stderr
     assert 'resumed epoch: 1' in log, log[-3000:]
     assert (workdir / 'wd_cls' / 'epoch_2.pth').is_file()
-    r = run(workdir, cfg, workdir / 'wd_cls' / 'epoch_2.pth', '--out', 'cls.json', tool='test.py')
+    r = run(workdir, cfg, workdir / 'wd_cls' / 'epoch_2.pth', '--work-dir', 'wd_cls_test', '--show-dir', 'vis',
+            '--out', 'cls.json', tool='test.py')
     metrics = json.loads((workdir / 'cls.json').read_text())
     assert 0.0 <= metrics['accuracy/top1'] <= 100.0
     assert 'accuracy/top1' in r.stdout
+    images = assert_drawn(workdir, 'wd_cls_test', 'imagenet/val')
+    # an absolute --show-dir is used as is
+    run(workdir, cfg, workdir / 'wd_cls' / 'epoch_2.pth', '--work-dir', 'wd_cls_test', '--show-dir',
+        workdir / 'abs_vis', tool='test.py')
+    assert sorted(os.listdir(workdir / 'abs_vis')) == images
 
 
 def free_port():
@@ -206,51 +227,3 @@ def test_unreadable_image_is_one_line_naming_the_file(tmp_path, content):
     msg = str(info.value)
     assert str(bad) in msg and 'cannot be read' in msg and '\n' not in msg
     assert ('empty file' in msg) == (content == b'')
-
-
-INIT_CKPT = """
-import sys, torch
-from mmengine.config import Config
-from mmengine.registry import MODELS, init_default_scope
-import mmplugin_l2  # noqa: F401
-cfg = Config.fromfile(sys.argv[1])
-cfg.model.backbone.init_cfg = None
-init_default_scope(cfg.default_scope)
-torch.manual_seed(0)
-torch.save({'state_dict': MODELS.build(cfg.model).state_dict()}, sys.argv[2])
-"""
-
-SHOW_CASES = {
-    'det': ('mask_rcnn_hvit3_t_demo.py', f"model = dict({TINY}, neck=dict(in_channels=[16, 32, 64, 64]))\n",
-            'coco/val2017'),
-    'seg': ('upernet_hvit3_t_demo.py',
-            f"model = dict({TINY}, decode_head=dict(in_channels=[16, 32, 64, 64], channels=32),\n"
-            "             auxiliary_head=dict(in_channels=64, channels=16))\n",
-            'ade/ADEChallengeData2016/images/validation'),
-    'cls': ('hvit3_t_in1k_demo.py', f"model = dict({TINY}, head=dict(in_channels=64))\n", 'imagenet/val'),
-}
-
-
-@pytest.mark.parametrize('task', sorted(SHOW_CASES))
-def test_show_dir_draws_every_test_image_under_the_run_folder(workdir, task):
-    """--show-dir, one rule for det / seg / cls: a relative DIR is <work_dir>/<timestamp>/DIR, an absolute
-    one is used as is; one drawn file per test image, named like the image."""
-    base, extra, img_dir = SHOW_CASES[task]
-    cfg = write_cfg(workdir, f'show_{task}', base, extra)
-    ckpt = workdir / f'show_{task}.pth'
-    env = {**os.environ, 'PYTHONPATH': ROOT}   # this checkout's package, whatever the environment installed
-    r = subprocess.run([sys.executable, '-c', INIT_CKPT, cfg, str(ckpt)], cwd=workdir, capture_output=True,
-                       text=True, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    images = sorted(osp.basename(p) for p in glob.glob(str(workdir / 'data/demo' / img_dir / '**/*'), recursive=True)
-                    if p.lower().endswith(('.jpg', '.jpeg')))
-    assert len(images) == 4
-    wd = workdir / f'wd_show_{task}'
-    run(workdir, cfg, ckpt, '--work-dir', wd.name, '--show-dir', 'vis', tool='test.py', env=env)
-    (stamp,) = [d for d in os.listdir(wd) if osp.isdir(wd / d)]
-    assert sorted(os.listdir(wd / stamp / 'vis')) == images
-    assert not osp.exists(workdir / 'vis')
-    if task == 'cls':
-        absolute = workdir / 'abs_vis'
-        run(workdir, cfg, ckpt, '--work-dir', wd.name, '--show-dir', absolute, tool='test.py', env=env)
-        assert sorted(os.listdir(absolute)) == images

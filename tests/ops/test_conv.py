@@ -20,7 +20,7 @@ from mmplugin_l2.models.ops.conv import (CONV_CHAIN, ConvBNAct, chain_modules, c
 from mmplugin_l2.models.ops.export import export_mode
 from mmplugin_l2.models.ops.memory import MemoryPolicy
 from mmplugin_l2.models.ops.conv.naive import conv_chain_naive, lcm_naive
-from ops.harness import assert_matches_naive, record_calls
+from ops.harness import assert_autocast_no_worse, assert_matches_naive, record_calls
 
 
 def _bn(c):
@@ -243,3 +243,66 @@ def test_lcm_pieces_under_autocast(dtype):
         with torch.autocast('cpu', dtype=dtype):
             out = m(x, hw)
     torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05)
+
+
+# ------------------------------------------------------------------ the depth-wise training pass
+DW_CASES = [  # (kernel, stride, padding, dilation, batch, (H, W), channels-last)
+    (3, 1, 1, 1, 2, (9, 11), True), (7, 1, 3, 1, 1, (13, 10), True), (3, 2, 1, 1, 2, (9, 11), False),
+    (5, 3, 2, 1, 3, (14, 9), True), (3, 1, 2, 2, 2, (8, 7), False)]
+
+
+def _dw_inputs(k, b, hw, cl, c=5, dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(b, c, *hw, generator=g, dtype=dtype)
+    x = x.to(memory_format=torch.channels_last) if cl else x
+    w = torch.randn(c, 1, k, k, generator=g, dtype=dtype) * 0.3
+    bias = torch.randn(c, generator=g, dtype=dtype)
+    return [t.requires_grad_() for t in (x, w, bias)]
+
+
+@pytest.mark.parametrize('k,s,p,d,b,hw,cl', DW_CASES)
+def test_depthwise_function_matches_naive(k, s, p, d, b, hw, cl):
+    """`DepthwiseConvFunction` (the weight gradient as a convolution per sample) equals F.conv2d in float64:
+    output and the gradients of input, weight and bias, for strides, paddings, dilations, batches and both
+    layouts."""
+    assert_matches_naive(lambda x, w, bias: conv_op.DepthwiseConvFunction.apply(x, w, bias, (s, s), (p, p), (d, d)),
+                         lambda x, w, bias: F.conv2d(x, w, bias, s, p, d, groups=x.shape[1]),
+                         _dw_inputs(k, b, hw, cl))
+
+
+@pytest.mark.parametrize('k,s,p,d,b,hw,cl', DW_CASES[:4])
+def test_depthwise_function_under_bf16_autocast_no_worse_than_reference(k, s, p, d, b, hw, cl):
+    """Under bf16 autocast (the one autocast it is declared for) the function's output and gradients are as close
+    to float64 as autocast's own convolution's."""
+    conv = lambda x, w, bias: F.conv2d(x, w, bias, s, p, d, groups=x.shape[1])   # noqa: E731
+    assert_autocast_no_worse(lambda x, w, bias: conv_op.DepthwiseConvFunction.apply(x, w, bias, (s, s), (p, p), (d, d)),
+                             conv, conv, _dw_inputs(k, b, (4 * hw[0], 4 * hw[1]), cl), torch.bfloat16)
+
+
+@pytest.mark.parametrize('autocast,expected', [(torch.bfloat16, 'train'), (torch.float16, 'reference'),
+                                               (None, 'reference')])
+def test_depthwise_conv_layer_dispatch(monkeypatch, autocast, expected):
+    """A depth-wise 7x7 `Conv2dCL` trains with `DepthwiseConvFunction` under bf16 autocast on CPU (and on bf16
+    inputs) only: fp32, fp16 autocast, eval mode, a 3x3 depth-wise conv, a non-depth-wise conv and exports take
+    torch's convolution."""
+    calls = record_calls(monkeypatch, conv_op.depthwise, DepthwiseConvFunction='train')
+    monkeypatch.setattr('mmplugin_l2.models.layers.conv.DepthwiseConvFunction', conv_op.depthwise.DepthwiseConvFunction)
+    dw, full = Conv2dCL(4, 4, 7, padding=3, groups=4), Conv2dCL(4, 4, 7, padding=3)
+    small = Conv2dCL(4, 4, 3, padding=1, groups=4)
+    x = torch.randn(2, 4, 9, 9, requires_grad=True)
+    with torch.autocast('cpu', dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        y = dw(x)
+        full(x)
+        small(x)
+        dw.eval()
+        dw(x)
+        dw.train()
+        with export_mode():
+            dw(x)
+    assert calls.names == ([] if expected == 'reference' else ['train'])
+    assert y.dtype == (autocast or torch.float32)
+    y.float().sum().backward()
+    assert dw.weight.grad.dtype == torch.float32 and dw.bias.grad.dtype == torch.float32
+    calls.clear()
+    dw.bfloat16()(x.detach().bfloat16())       # bf16 weights and input without autocast: computed in bf16
+    assert calls.names == ['train']

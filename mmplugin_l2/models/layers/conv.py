@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 
 from ..ops import TRAIN, choose
-from ..ops.conv import BATCH_NORM, BatchNormCLFunction  # noqa: F401 (BatchNormCLFunction: re-exported)
+from ..ops.conv import (BATCH_NORM, DEPTHWISE_CONV, BatchNormCLFunction,  # noqa: F401 (BatchNormCLFunction: re-exported)
+                        DepthwiseConvFunction, depthwise_applies)
 from ..ops.export import exporting
 from ..ops.memory import DEFAULT_POLICY
 from ..ops.tokens import channels_last
@@ -26,8 +27,13 @@ class Conv2dCL(nn.Conv2d):
 
     #: read by the ops that run this conv's kernel themselves (`ops.conv.pieces`)
     kernel_channels_last = True
+    #: a large depth-wise conv (`ops.conv.depthwise_applies`) trains with `DepthwiseConvFunction` where
+    #: `ops.conv.DEPTHWISE_CONV` says (bf16 on CPU)
+    fast_train = True
 
     def forward(self, x):
+        if depthwise_applies(self) and choose(self, x, x.numel(), DEPTHWISE_CONV).impl == TRAIN:
+            return DepthwiseConvFunction.apply(x, self.weight, self.bias, self.stride, self.padding, self.dilation)
         return self._conv_forward(x, self.weight.to(memory_format=torch.channels_last), self.bias)
 
 

@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.nn as nn
 
-from .dtypes import HALF_DTYPES, autocast_on
+from .dtypes import HALF_DTYPES, autocast_on, compute_dtype_of
 from .export import exporting
 from .tokens import channels_last
 
@@ -53,7 +53,9 @@ class Fast(NamedTuple):
     for it). devices, dtypes: the device types and dtypes of the input the path runs on (None: any). channels_last:
     the path needs a channels-last (B, C, H, W) input. autocast_pieces: under autocast the path takes the memory
     policy's pieces (False: whole maps there, e.g. where the pieces' partial sums would be rounded to the autocast
-    dtype one by one, less accurate than the reference's one product).
+    dtype one by one, less accurate than the reference's one product). compute_dtypes: the dtypes the path computes
+    in (`compute_dtype_of`: the autocast dtype for an fp32 input under autocast, else the input's) that it runs for
+    (None: any), e.g. a path faster than the reference only in bf16.
     """
     half: bool = True
     autocast: bool = True
@@ -66,6 +68,7 @@ class Fast(NamedTuple):
     dtypes: Optional[tuple] = None
     channels_last: bool = False
     autocast_pieces: bool = True
+    compute_dtypes: Optional[tuple] = None
 
 
 class Supports(NamedTuple):
@@ -127,6 +130,8 @@ def _takes(fast, x, modules, acts):
     if fast.dtypes is not None and x.dtype not in fast.dtypes:
         return False
     if fast.channels_last and not (x.dim() == 4 and channels_last(x)):
+        return False
+    if fast.compute_dtypes is not None and compute_dtype_of(x) not in fast.compute_dtypes:
         return False
     return fast.act is None or all(fast.act(a) for a in acts)
 

@@ -29,3 +29,10 @@ def autocasts_to(t, dtype):
     """Whether autocast on `t`'s device is on and casts to `dtype`."""
     dev = t.device.type
     return autocast_on(dev) and torch.get_autocast_dtype(dev) == dtype
+
+
+def compute_dtype_of(x):
+    """The dtype an op computes in on input `x`: the autocast dtype for an fp32 `x` under autocast on its device
+    (autocast casts only fp32 arguments), else `x`'s own."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if x.dtype == torch.float32 and autocast_on(dev) else x.dtype

@@ -1,0 +1,86 @@
+"""A depth-wise convolution's training pass with its weight gradient written as a convolution per sample
+(`DepthwiseConvFunction`); the layer is `layers.conv.Conv2dCL`, which runs it where `depthwise_applies` and
+`DEPTHWISE_CONV` (in `ops.conv`) say, through `ops.dispatch.choose`.
+
+A depth-wise convolution y = conv(x, W) (groups = C, W (C, 1, kh, kw), stride s, padding p, dilation d) has the
+weight gradient
+
+    dW[c, 0, i, j] = sum_b sum_(h, w) x_p[b, c, s h + d i, s w + d j] * dy[b, c, h, w]      (x_p: x zero-padded)
+
+which for each sample b is itself a depth-wise convolution: x_p[b] (1, C, H_p, W_p) convolved with dy[b] as C
+kernels (C, 1, H_out, W_out) (groups C, stride d, dilation s) gives sample b's term; the terms are summed over the
+batch. On CPU, oneDNN's own depth-wise weight gradient is slow on large maps with large kernels, and slower in
+bf16 than in fp32; the per-sample convolution is oneDNN's depth-wise forward kernel. For bf16 / fp16 x and dy it
+runs in fp32 on their values (exact in fp32), so the weight gradient has no half-precision rounding at all: more
+accurate than autocast's (one bf16 rounding of the whole sum), and still several times faster than it on large
+maps (docs/mixed_precision.md). The input gradient is torch's.
+"""
+import torch
+import torch.nn.functional as F
+
+from ..dtypes import autocast_off, compute_dtype, compute_dtype_of
+
+
+def depthwise_weight_grad(x, grad, kernel_size, stride=(1, 1), padding=(0, 0), dilation=(1, 1)):
+    """dW (C, 1, kh, kw) of the depth-wise convolution of x (B, C, H, W) whose output gradient is grad
+    (B, C, H_out, W_out): one depth-wise convolution per sample (module docstring), computed and summed over the
+    batch in `dtypes.compute_dtype(x)` (fp32 for bf16 / fp16 x), the result in that dtype."""
+    dtype = compute_dtype(x)
+    x, grad = x.to(dtype), grad.to(dtype)
+    c = x.shape[1]
+    kh, kw = kernel_size
+    xp = F.pad(x, (padding[1], padding[1], padding[0], padding[0]))
+    dw = None
+    for b in range(x.shape[0]):
+        term = F.conv2d(xp[b:b + 1], grad[b].unsqueeze(1), None, dilation, 0, stride, c)[0, :, :kh, :kw]
+        dw = term if dw is None else dw.add_(term)
+    return dw.unsqueeze(1)
+
+
+def depthwise_applies(conv):
+    """Whether `DepthwiseConvFunction` computes the nn.Conv2d `conv`: depth-wise (groups = in = out channels), zero
+    padding given as numbers, a kernel of at least 7 x 7 (on 3 x 3 kernels oneDNN's own weight gradient is the
+    faster one: docs/mixed_precision.md)."""
+    return (conv.groups == conv.in_channels == conv.out_channels and conv.padding_mode == 'zeros'
+            and not isinstance(conv.padding, str) and min(conv.kernel_size) >= 7)
+
+
+class DepthwiseConvFunction(torch.autograd.Function):
+    """y = conv2d(x, weight, bias, stride, padding, dilation, groups=C) for a depth-wise weight (C, 1, kh, kw).
+
+    Computed in the autocast dtype under autocast (x, weight and bias cast once, as autocast casts a convolution's
+    arguments), else in x's dtype; the kernel is passed channels-last (as `Conv2dCL`). Backward: the input
+    gradient by torch's convolution backward (in the compute dtype, as autocast's), the weight gradient by
+    `depthwise_weight_grad` and the bias gradient summed in fp32 (fp32 parameters get fp32 gradients, as through
+    autocast's cast). Keeps x and the weight in
+    the compute dtype, as autocast's convolution does."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation):
+        dtype = compute_dtype_of(x)
+        with autocast_off(x.device.type):
+            xc, wc = x.to(dtype), weight.to(dtype).contiguous(memory_format=torch.channels_last)
+            bc = None if bias is None else bias.to(dtype)
+            y = F.conv2d(xc, wc, bc, stride, padding, dilation, weight.shape[0])
+        ctx.save_for_backward(xc, wc)
+        ctx.conv = (stride, padding, dilation)
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        xc, wc = ctx.saved_tensors
+        stride, padding, dilation = ctx.conv
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        with autocast_off(xc.device.type):
+            grad = grad.to(xc.dtype)
+            dx = dw = db = None
+            if ctx.needs_input_grad[0]:
+                dx = torch.ops.aten.convolution_backward(
+                    grad, xc, wc, None, stride, padding, dilation, False, [0, 0], wc.shape[0],
+                    [True, False, False])[0].to(x_dtype)
+            if ctx.needs_input_grad[1]:
+                dw = depthwise_weight_grad(xc, grad, wc.shape[2:], stride, padding, dilation).to(w_dtype)
+            if ctx.needs_input_grad[2]:
+                db = grad.sum((0, 2, 3), dtype=compute_dtype(grad)).to(b_dtype)
+        return dx, dw, db, None, None, None
