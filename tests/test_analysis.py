@@ -345,13 +345,19 @@ def test_render_keeps_precisions_apart():
     assert bm.plot_title(dict(base, samples=half)).endswith(' - bf16 autocast')
 
 
-def test_committed_results_render_unchanged_in_fp32():
-    """docs/benchmark_results.json (written before precisions existed): every sample counts as fp32."""
+def test_committed_results_keep_fp32_and_bf16_apart():
+    """docs/benchmark_results.json: the runs written before precisions existed (no `precision` in their samples)
+    count as fp32, the bf16 runs as bf16; the plot shows fp32."""
     from mmplugin_l2.analysis import benchmark as bm
     with open(f'{ROOT}/docs/benchmark_results.json') as f:
         res = json.load(f)
-    assert bm.precisions_of(res['samples']) == ['fp32'] and bm.plot_precision(res) == 'fp32'
-    assert all(k[4] == 'fp32' for k in bm.summarize(res['samples']))
+    assert bm.precisions_of(res['samples']) == ['fp32', 'bf16'] and bm.plot_precision(res) == 'fp32'
+    old = [s for s in res['samples'] if 'precision' not in s]
+    bf16 = [s for s in res['samples'] if s.get('precision') == 'bf16']
+    assert old and bf16 and len(old) + len(bf16) == len(res['samples'])
+    keys = set(bm.summarize(res['samples']))
+    assert keys == set(bm.summarize(old)) | set(bm.summarize(bf16))
+    assert {k[4] for k in bm.summarize(old)} == {'fp32'} and {k[4] for k in bm.summarize(bf16)} == {'bf16'}
 
 
 def test_run_with_two_precisions_measures_and_renders_each(tmp_path):

@@ -441,6 +441,17 @@ def _batch_norm():
     return run, (fmap(cl=True),), (bn,)
 
 
+def _depthwise_conv():
+    conv = Conv2dCL(C, C, 7, padding=3, groups=C)
+
+    def run(path, x):
+        if path.impl == TRAIN:
+            return conv_op.DepthwiseConvFunction.apply(x, conv.weight, conv.bias, conv.stride, conv.padding,
+                                                       conv.dilation)
+        return nn.Conv2d.forward(conv, x)
+    return run, (fmap(cl=True),), (conv,)
+
+
 def _emsa(heads):
     conv = nn.Conv2d(heads, heads, 1) if heads > 1 else None
     mods = (conv,) if conv is not None else ()
@@ -533,6 +544,7 @@ def _ttt_core(rot):
 OP_CASES = {
     'conv_chain': OpCase('conv.CONV_CHAIN', _conv_chain),
     'batch_norm': OpCase('conv.BATCH_NORM', _batch_norm, expect=_fn('BatchNormCLFunction')),
+    'depthwise_conv': OpCase('conv.DEPTHWISE_CONV', _depthwise_conv, expect=_fn('DepthwiseConvFunction')),
     'emsa': OpCase('emsa.EMSA_ATTENTION', lambda: _emsa(2), expect=_fn('EMSAPiecesFunction')),
     'emsa-1head': OpCase('emsa.EMSA_ATTENTION', lambda: _emsa(1), expect=_fn('EMSAPiecesFunction')),
     'linear_attention': OpCase('linear_attention.LINEAR_ATTENTION', _linear_attention,

@@ -62,10 +62,10 @@ def assert_matches_reference(fast, reference, inputs, rtol=1e-10, atol=1e-12, gr
     assert_matches(fast, reference, inputs, rtol, atol, grads)
 
 
-def autocast_errors(fn, naive, inputs, dtype):
-    """Relative errors, max |a - ref| / max |ref|, of `fn` run on float32 copies of the float64 `inputs` under CPU
-    autocast to `dtype` against `naive` on the float64 inputs: [output, gradient of each input that requires
-    one] (the gradients of the same random projection of the output)."""
+def autocast_errors(fn, naive, inputs, dtype, norm='max'):
+    """Relative errors, max |a - ref| / max |ref| (`norm='l2'`: ||a - ref|| / ||ref||), of `fn` run on float32
+    copies of the float64 `inputs` under CPU autocast to `dtype` against `naive` on the float64 inputs: [output,
+    gradient of each input that requires one] (the gradients of the same random projection of the output)."""
     out_ref, g_ref = run_with_grads(naive, inputs)
     g = torch.Generator().manual_seed(0)
     cotangent = torch.randn(out_ref.shape, generator=g, dtype=out_ref.dtype)
@@ -77,15 +77,19 @@ def autocast_errors(fn, naive, inputs, dtype):
     assert all(gr.dtype == t.dtype for gr, t in zip(grads, [t for t in low if torch.is_tensor(t) and t.requires_grad]))
 
     def rel(a, b):
+        if norm == 'l2':
+            return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
         return ((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
     return [rel(out, out_ref)] + [rel(a, b) for a, b in zip(grads, g_ref)]
 
 
-def assert_autocast_no_worse(fast, reference, naive, inputs, dtype, slack=1.1):
+def assert_autocast_no_worse(fast, reference, naive, inputs, dtype, slack=1.1, norm='max'):
     """Under CPU autocast to `dtype`, `fast`'s errors against `naive` in float64 (`autocast_errors`: output and
-    every gradient) are at most `slack` times the reference's under the same autocast."""
-    e_fast = autocast_errors(fast, naive, inputs, dtype)
-    e_ref = autocast_errors(reference, naive, inputs, dtype)
+    every gradient, in the `norm`) are at most `slack` times the reference's under the same autocast. `norm='l2'`
+    where the largest error of a few thousand half-precision roundings moves by tens of percent with the seed
+    and the two paths round differently."""
+    e_fast = autocast_errors(fast, naive, inputs, dtype, norm)
+    e_ref = autocast_errors(reference, naive, inputs, dtype, norm)
     names = ['output'] + [f'gradient {i}' for i in range(len(e_fast) - 1)]
     for name, a, b in zip(names, e_fast, e_ref):
         assert a <= slack * b, f'{name}: {dtype} autocast error {a:.3g} of the fast path, {b:.3g} of the reference'

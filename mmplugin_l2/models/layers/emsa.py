@@ -27,6 +27,7 @@ from ..ops import choose
 from ..ops.emsa import EMSA_ATTENTION, EMSAPiecesFunction, emsa_attention, emsa_attention_reference
 from ..ops.memory import DEFAULT_POLICY
 from ..ops.tokens import map_to_tokens, tokens_to_map
+from .conv import Conv2dCL
 
 __all__ = ['EMSA', 'EMSAPiecesFunction', 'emsa_attention', 'emsa_attention_reference']
 
@@ -68,8 +69,8 @@ class EMSA(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
         if sr_ratio > 1:
-            self.sr = nn.Conv2d(dim, dim, kernel_size=sr_ratio + 1, stride=sr_ratio, padding=sr_ratio // 2,
-                                groups=dim)
+            self.sr = Conv2dCL(dim, dim, kernel_size=sr_ratio + 1, stride=sr_ratio, padding=sr_ratio // 2,
+                               groups=dim)
             self.sr_norm = nn.LayerNorm(dim)
         self.apply_transform = apply_transform and num_heads > 1
         if self.apply_transform:

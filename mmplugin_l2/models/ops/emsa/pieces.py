@@ -4,7 +4,8 @@ path (`train.EMSAPiecesFunction`).
 The rows of G (see `reference`) are independent, so only the instance norm's scale needs all queries: one pass
 accumulates sum(G^2) per (image, head) and the unscaled products G @ v, and the whole map's scale
 r = (mean(G^2) + eps N'^2)^-1/2 then multiplies the output (A @ v is linear in A, r is one number per map).
-In half precision a first pass accumulates sum(G^2) and a second applies r to each piece before its cast.
+With half-precision v (autocast) the products G @ v are taken in fp32, G's dtype (v cast once), and the output
+is rounded to v's dtype once, after the scale: one pass in every dtype, and no half-precision rounding of the map.
 The elementwise steps run in place: a piece's map stays in cache.
 """
 from ..dtypes import autocast_off, compute_dtype
@@ -18,7 +19,7 @@ def query_pieces(q, n_keys, piece):
     return [p.own for p in split(n, piece, unit=b * h * n_keys)]
 
 
-def emsa_in_pieces(q, kc, v, weight, scale, eps, pieces):
+def emsa_in_pieces(q, kc, v, weight, scale, eps, pieces, dtype=None):
     """A @ v over the query `pieces`, without autograd.
 
     Args:
@@ -30,28 +31,28 @@ def emsa_in_pieces(q, kc, v, weight, scale, eps, pieces):
         scale (float): the logits' scale.
         eps (float): the instance norm's eps.
         pieces (list[slice]): pieces of queries (slices of N).
+        dtype (torch.dtype | None): the output's dtype. Default: None (v's).
 
     Returns:
-        tuple[Tensor, Tensor | None]: the output (B, h, N, d) in v's dtype and the IN scale r (B, h, 1, 1) in
-        the compute dtype (None for the single-head form).
+        tuple[Tensor, Tensor | None]: the output (B, h, N, d) and the IN scale r (B, h, 1, 1) in the compute
+        dtype (None for the single-head form).
     """
     n, n_keys = q.shape[2], kc.shape[2]
-    out = v.new_empty(q.shape[:3] + v.shape[3:])
+    out = v.new_empty(q.shape[:3] + v.shape[3:], dtype=dtype)
     with autocast_off(q.device.type):
         if weight is None:
             for p in pieces:
                 out[:, :, p] = apply_map(softmax_map(q[:, :, p], kc, scale), v)
             return out, None
-        one_pass = compute_dtype(v) == v.dtype
+        # G @ v in the compute dtype (v cast once), so that r can scale the product afterwards
+        cdt = compute_dtype(v)
+        vc = v.to(cdt)
+        acc = out if cdt == v.dtype else out.new_empty(out.shape, dtype=cdt)
         total = 0
         for p in pieces:
             g = deviation_map(q[:, :, p], kc, scale, weight)
             total = total + sum_sq(g)
-            if one_pass:
-                out[:, :, p] = g @ v
+            acc[:, :, p] = g @ vc
         r = in_scale(total, n * n_keys, n_keys, eps)
-        if one_pass:
-            return out.mul_(r.to(out.dtype)), r
-        for p in pieces:
-            out[:, :, p] = apply_map(deviation_map(q[:, :, p], kc, scale, weight), v, r)
-    return out, r
+        acc.mul_(r)
+        return (acc if acc is out else out.copy_(acc)), r

@@ -1,7 +1,7 @@
 """EMSA's train path: A @ v over pieces of queries, recomputed piece by piece in backward.
 
-Kept for backward: q, the centred keys, v, the output and one scalar per (image, head) (the IN scale r); no
-map-sized tensor. Backward of the instance norm: dG = r (dA - A mean(dA * A)), where the whole map's mean
+Kept for backward: q, the centred keys, v, the output (in the compute dtype: fp32 for half inputs) and one
+scalar per (image, head) (the IN scale r); no map-sized tensor. Backward of the instance norm: dG = r (dA - A mean(dA * A)), where the whole map's mean
 comes without another pass, sum(dA * A) = sum(dout * out).
 """
 import torch
@@ -22,10 +22,11 @@ class EMSAPiecesFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kc, v, weight, scale, eps, piece):
         pieces = query_pieces(q, kc.shape[2], piece)
-        out, r = emsa_in_pieces(q, kc, v, weight, scale, eps, pieces)
+        # the output in the compute dtype is kept: the instance norm's backward needs sum(dout * out)
+        out, r = emsa_in_pieces(q, kc, v, weight, scale, eps, pieces, dtype=compute_dtype(v))
         ctx.pieces, ctx.scale = pieces, scale
         ctx.save_for_backward(q, kc, v, weight, out, r)
-        return out
+        return out.to(v.dtype)
 
     @staticmethod
     def backward(ctx, dout):
@@ -40,7 +41,7 @@ class EMSAPiecesFunction(torch.autograd.Function):
         dw = torch.zeros_like(weight) if need_w else None
         if weight is not None:
             count = q.shape[2] * kc.shape[2]
-            mean_daa = ((dout.to(cdt) * out.to(cdt)).sum(dim=(2, 3)) / count)[..., None, None]
+            mean_daa = ((dout.to(cdt) * out).sum(dim=(2, 3)) / count)[..., None, None]
         kd = kc.detach().requires_grad_(need_k)
         wd = weight.detach().requires_grad_(need_w) if weight is not None else None
         with autocast_off(q.device.type):
