@@ -618,7 +618,8 @@ def test_merge_pools_runs_and_render_names_each(tmp_path):
     for name, obj in (('a.json', a), ('b.json', b)):
         (tmp_path / name).write_text(json.dumps(obj))
     cli = _cli()
-    assert cli.main(['merge', str(tmp_path / 'a.json'), str(tmp_path / 'b.json'), '--out', str(tmp_path / 'm.json')]) == 0
+    assert cli.main(['merge', str(tmp_path / 'a.json'), str(tmp_path / 'b.json'),
+                     '--out', str(tmp_path / 'm.json')]) == 0
     assert json.loads((tmp_path / 'm.json').read_text()) == m
 
 
@@ -663,7 +664,7 @@ def test_cfg_options_nest_and_reach_the_backbone():
     takes them (a key it does not know fails)."""
     from mmplugin_l2.analysis import benchmark as bm
     from mmplugin_l2.analysis.models import build
-    cfg = bm.nested(dict(_cli()._option(o) for o in ('fast_train=False', 'memory_policy.max_elems=4096')))
+    cfg = bm.nested(dict(bm.option_arg(o) for o in ('fast_train=False', 'memory_policy.max_elems=4096')))
     assert cfg == dict(fast_train=False, memory_policy=dict(max_elems=4096))
     m = build('rest_s', cfg, tiny=True)
     # BatchNorm2d's accurate pass and Conv2dCL's depth-wise pass are not the backbone's switch (class attributes)

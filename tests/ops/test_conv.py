@@ -260,23 +260,28 @@ def _dw_inputs(k, b, hw, cl, c=5, dtype=torch.float64):
     return [t.requires_grad_() for t in (x, w, bias)]
 
 
+def _dw_function(s, p, d):
+    return lambda x, w, bias: conv_op.DepthwiseConvFunction.apply(x, w, bias, (s, s), (p, p), (d, d))
+
+
+def _dw_conv(s, p, d):
+    return lambda x, w, bias: F.conv2d(x, w, bias, s, p, d, groups=x.shape[1])
+
+
 @pytest.mark.parametrize('k,s,p,d,b,hw,cl', DW_CASES)
 def test_depthwise_function_matches_naive(k, s, p, d, b, hw, cl):
     """`DepthwiseConvFunction` (the weight gradient as a convolution per sample) equals F.conv2d in float64:
     output and the gradients of input, weight and bias, for strides, paddings, dilations, batches and both
     layouts."""
-    assert_matches_naive(lambda x, w, bias: conv_op.DepthwiseConvFunction.apply(x, w, bias, (s, s), (p, p), (d, d)),
-                         lambda x, w, bias: F.conv2d(x, w, bias, s, p, d, groups=x.shape[1]),
-                         _dw_inputs(k, b, hw, cl))
+    assert_matches_naive(_dw_function(s, p, d), _dw_conv(s, p, d), _dw_inputs(k, b, hw, cl))
 
 
 @pytest.mark.parametrize('k,s,p,d,b,hw,cl', DW_CASES[:4])
 def test_depthwise_function_under_bf16_autocast_no_worse_than_reference(k, s, p, d, b, hw, cl):
     """Under bf16 autocast (the one autocast it is declared for) the function's output and gradients are as close
     to float64 as autocast's own convolution's."""
-    conv = lambda x, w, bias: F.conv2d(x, w, bias, s, p, d, groups=x.shape[1])   # noqa: E731
-    assert_autocast_no_worse(lambda x, w, bias: conv_op.DepthwiseConvFunction.apply(x, w, bias, (s, s), (p, p), (d, d)),
-                             conv, conv, _dw_inputs(k, b, (4 * hw[0], 4 * hw[1]), cl), torch.bfloat16)
+    assert_autocast_no_worse(_dw_function(s, p, d), _dw_conv(s, p, d), _dw_conv(s, p, d),
+                             _dw_inputs(k, b, (4 * hw[0], 4 * hw[1]), cl), torch.bfloat16)
 
 
 @pytest.mark.parametrize('autocast,expected', [(torch.bfloat16, 'train'), (torch.float16, 'reference'),

@@ -41,8 +41,6 @@ from mmplugin_l2.analysis.models import MODELS, label
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 
 
-_option, _size = bm.option_arg, bm.size_arg
-
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog='benchmark.py', description=__doc__.split('\n\n')[0],
@@ -52,7 +50,7 @@ def parse_args(argv=None):
     r = sub.add_parser('run', help='measure and write a results file')
     r.add_argument('--suite', choices=sorted(bm.SUITES), default='headline')
     r.add_argument('--models', nargs='+', help='MODELS names or <ours>@authors (default: the suite\'s)')
-    r.add_argument('--sizes', nargs='+', type=_size, help='H or HxW (default: the suite\'s)')
+    r.add_argument('--sizes', nargs='+', type=bm.size_arg, help='H or HxW (default: the suite\'s)')
     r.add_argument('--batches', nargs='+', type=int)
     r.add_argument('--kinds', nargs='+', choices=bm.KINDS)
     r.add_argument('--precision', nargs='+', choices=list(PRECISIONS), default=['fp32'],
@@ -66,7 +64,7 @@ def parse_args(argv=None):
     r.add_argument('--device', default='cpu')
     r.add_argument('--authors-code', nargs='+', type=authors.family_path, default=[], metavar='FAMILY=PATH')
     r.add_argument('--timeout', type=float, default=None, help='seconds per measurement (default: none)')
-    r.add_argument('--cfg-options', nargs='+', type=_option, default=[], metavar='KEY=VALUE',
+    r.add_argument('--cfg-options', nargs='+', type=bm.option_arg, default=[], metavar='KEY=VALUE',
                    help='overrides of our backbones\' arguments, dotted keys nest (e.g. fast_train=False '
                         'memory_policy.max_elems=1048576); the samples record them')
     r.add_argument('--smoke', action='store_true', help='label the results a smoke run (not a benchmark)')

@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 
 from ..ops import TRAIN, choose
-from ..ops.conv import (BATCH_NORM, DEPTHWISE_CONV, BatchNormCLFunction,  # noqa: F401 (BatchNormCLFunction: re-exported)
-                        DepthwiseConvFunction, depthwise_applies)
+from ..ops.conv import BatchNormCLFunction  # noqa: F401 (re-exported)
+from ..ops.conv import BATCH_NORM, DEPTHWISE_CONV, DepthwiseConvFunction, depthwise_applies
 from ..ops.export import exporting
 from ..ops.memory import DEFAULT_POLICY
 from ..ops.tokens import channels_last

@@ -52,8 +52,7 @@ class DepthwiseConvFunction(torch.autograd.Function):
     arguments), else in x's dtype; the kernel is passed channels-last (as `Conv2dCL`). Backward: the input
     gradient by torch's convolution backward (in the compute dtype, as autocast's), the weight gradient by
     `depthwise_weight_grad` and the bias gradient summed in fp32 (fp32 parameters get fp32 gradients, as through
-    autocast's cast). Keeps x and the weight in
-    the compute dtype, as autocast's convolution does."""
+    autocast's cast). Keeps x and the weight in the compute dtype, as autocast's convolution does."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, stride, padding, dilation):

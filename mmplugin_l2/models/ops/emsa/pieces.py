@@ -47,7 +47,7 @@ def emsa_in_pieces(q, kc, v, weight, scale, eps, pieces, dtype=None):
         # G @ v in the compute dtype (v cast once), so that r can scale the product afterwards
         cdt = compute_dtype(v)
         vc = v.to(cdt)
-        acc = out if cdt == v.dtype else out.new_empty(out.shape, dtype=cdt)
+        acc = out if out.dtype == cdt else out.new_empty(out.shape, dtype=cdt)
         total = 0
         for p in pieces:
             g = deviation_map(q[:, :, p], kc, scale, weight)

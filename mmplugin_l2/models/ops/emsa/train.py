@@ -1,8 +1,8 @@
 """EMSA's train path: A @ v over pieces of queries, recomputed piece by piece in backward.
 
 Kept for backward: q, the centred keys, v, the output (in the compute dtype: fp32 for half inputs) and one
-scalar per (image, head) (the IN scale r); no map-sized tensor. Backward of the instance norm: dG = r (dA - A mean(dA * A)), where the whole map's mean
-comes without another pass, sum(dA * A) = sum(dout * out).
+scalar per (image, head) (the IN scale r); no map-sized tensor. Backward of the instance norm:
+dG = r (dA - A mean(dA * A)), where the whole map's mean comes without another pass, sum(dA * A) = sum(dout * out).
 """
 import torch
 
