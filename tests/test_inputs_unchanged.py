@@ -563,6 +563,8 @@ OP_CASES = {
                                      expect=lambda p: 'ConvMlpFunction' if p.impl == TRAIN else None),
     'norm_mlp': OpCase('mlp.NORM_MLP', _norm_mlp,
                        expect=lambda p: 'NormMlpFunction' if p.impl == TRAIN else None),
+    'norm_mlp-uncheckpointed': OpCase('mlp.NORM_MLP_UNCHECKPOINTED', _norm_mlp,
+                                      expect=lambda p: 'NormMlpFunction' if p.impl == TRAIN else None),
     'window_attention': OpCase('window_attention.WINDOW_ATTENTION', _window_attention),
     'window_attention-masked': OpCase('window_attention.WINDOW_ATTENTION', lambda: _window_attention(masked=True)),
     'window_attention-norm': OpCase('window_attention.WINDOW_ATTENTION', lambda: _window_attention(norm=True)),

@@ -89,6 +89,23 @@ def test_declared_support_decides_and_checkpoint_is_the_fallback():
         assert choose(m, x, 8, pieces_only) == (REFERENCE, None)
 
 
+def test_half_inputs_under_autocast_only_and_half_pieces():
+    """`Fast(half='autocast')` takes half inputs under autocast (fp32 parameters) but not half inputs outside it (half
+    weights); `half_pieces=False` gives whole maps wherever the path computes in half precision, pieces elsewhere."""
+    m, x = _layer(), _grad_input()
+    autocast_only = Supports(train=Fast(half='autocast'), checkpoint=True)
+    assert choose(m, x.half(), 16, autocast_only) == (CHECKPOINT, None)
+    assert choose(m, x, 16, autocast_only) == (TRAIN, 4)
+    whole_in_half = Supports(train=Fast(half_pieces=False))
+    assert choose(m, x.bfloat16(), 16, whole_in_half) == (TRAIN, None)
+    assert choose(m, x, 16, whole_in_half) == (TRAIN, 4)
+    for dtype in (torch.bfloat16, torch.float16):
+        with torch.autocast('cpu', dtype=dtype):
+            assert choose(m, x.to(dtype), 16, autocast_only) == (TRAIN, 4)
+            assert choose(m, x, 16, whole_in_half) == (TRAIN, None)
+            assert choose(m, x.to(dtype), 16, whole_in_half) == (TRAIN, None)
+
+
 @contextlib.contextmanager
 def _pieces_given():
     """The pieces `choose` gave while inside (every layer's one dispatch)."""

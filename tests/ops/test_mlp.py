@@ -15,7 +15,7 @@ from mmplugin_l2.models.ops import TRAIN, Path
 from mmplugin_l2.models.ops.mlp import (ConvMlpPiecesFunction, ConvMlpFunction, NormMlpFunction, conv_mlp,
                                         conv_mlp_inference, conv_mlp_reference, mlp_inference, mlp_reference)
 from mmplugin_l2.models.ops.mlp.naive import conv_mlp_naive, mlp_naive
-from ops.harness import assert_autocast_no_worse, assert_matches_naive
+from ops.harness import assert_autocast_no_worse, assert_matches_naive, record_calls
 
 C, R = 5, 11      # odd widths: channels and hidden channels
 
@@ -119,18 +119,25 @@ def test_norm_mlp_function_matches_naive(rows):
                          _mlp(mlp_naive), [_x((31, 1)), w1, b1, w2, b2, lw, lb], atol=1e-11)
 
 
+@pytest.mark.parametrize('half_x', [False, True], ids=['fp32_x', 'half_x'])
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
-def test_norm_mlp_function_under_autocast_no_worse_than_the_reference(dtype):
+def test_norm_mlp_function_under_autocast_no_worse_than_the_reference(dtype, half_x):
     """Under autocast `NormMlpFunction` (on whole maps, as `NORM_MLP` declares) is as accurate as the reference is
-    there (LayerNorm in fp32, products in the autocast dtype): output and every gradient against the naive form in
-    float64."""
+    there (LayerNorm statistics in fp32, products in the autocast dtype): output and every gradient against the
+    naive form in float64. `half_x`: the tokens arrive in the autocast dtype (the residual stream after a conv
+    stem under autocast; values of that dtype, cast in the graph). In the L2 norm: fc1's bias gradient sums the
+    hidden gradient in another order than the reference, and its largest error moves by ±30 % with the seed, both
+    ways."""
     c, r = 16, 40
     g = torch.Generator().manual_seed(1)
     ps = [(torch.randn(s, generator=g, dtype=torch.float64) * k).requires_grad_()
           for s, k in (((r, c), .3), ((r,), .1), ((c, r), .2), ((c,), .1), ((c,), 1.), ((c,), .1))]
-    x = (torch.randn(2, 97, c, generator=g, dtype=torch.float64) * 2).requires_grad_()
-    fast = lambda x, w1, b1, w2, b2, lw, lb: NormMlpFunction.apply(x, lw, lb, 1e-5, w1, b1, w2, b2)  # noqa: E731
-    e_fast, _ = assert_autocast_no_worse(fast, _mlp(mlp_reference), _mlp(mlp_naive), [x] + ps, dtype)
+    x = (torch.randn(2, 97, c, generator=g, dtype=torch.float64) * 2)
+    x = (x.to(dtype).double() if half_x else x).requires_grad_()
+    cast = (lambda t: t.to(dtype)) if half_x else (lambda t: t)  # noqa: E731
+    fast = lambda x, w1, b1, w2, b2, lw, lb: NormMlpFunction.apply(cast(x), lw, lb, 1e-5, w1, b1, w2, b2)  # noqa: E731
+    ref = lambda x, *p: _mlp(mlp_reference)(cast(x), *p)  # noqa: E731
+    e_fast, _ = assert_autocast_no_worse(fast, ref, _mlp(mlp_naive), [x] + ps, dtype, norm='l2')
     assert max(e_fast) < (5e-2 if dtype == torch.bfloat16 else 1e-2)
 
 
@@ -225,9 +232,9 @@ def test_train_mode_under_no_grad_keeps_dropout(cls):
 
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
 def test_norm_mlp_branch_under_autocast_takes_the_train_function_on_whole_maps(dtype):
-    """Under autocast a block's MLP branch runs `NormMlpFunction` (not the checkpointed reference), on the whole map
-    even where the memory policy gives pieces outside autocast; its output is in the autocast dtype, its parameter
-    gradients in fp32."""
+    """Under autocast a block's MLP branch runs `NormMlpFunction` (not the checkpointed reference) on fp32 tokens, on
+    the whole map even where the memory policy gives pieces outside autocast; its output is in the autocast dtype,
+    its parameter gradients in fp32."""
     from mmplugin_l2.models.backbones.l2vit import LGABlock
     blk = LGABlock(8, 2).train()
     set_memory_policy(blk, dict(max_elems=4 * 8))
@@ -243,6 +250,32 @@ def test_norm_mlp_branch_under_autocast_takes_the_train_function_on_whole_maps(d
     assert y.dtype == dtype and _grad_fn(y) == 'NormMlpFunctionBackward'
     y.float().sum().backward()
     assert blk.mlp.fc1.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_norm_mlp_branch_on_half_tokens(dtype):
+    """On half tokens under autocast (L2ViT's and ResT's residual streams after their conv stems) a recomputing
+    block's branch (L2ViT) is checkpointed, which keeps only its input; a block that does not recompute (ResT) runs
+    `NormMlpFunction` on the whole map (keeping x and the fc1 output, not the reference's three hidden maps). Both
+    give the reference's output under the same autocast; the parameter gradients are fp32, the input's in the
+    tokens' dtype."""
+    from mmplugin_l2.models.backbones.l2vit import LGABlock
+    from mmplugin_l2.models.backbones.rest import ResTBlock
+    from mmplugin_l2.models.layers import mlp as mlp_layer
+    for blk, checkpoint, ran in ((LGABlock(8, 2), True, 'recomputed_branch'),
+                                 (ResTBlock(8, 2, 1), False, 'norm_mlp_train')):
+        blk = _random_(blk).float().train()
+        set_memory_policy(blk, dict(max_elems=4 * 8))
+        x = torch.randn(2, 40, 8).to(dtype).requires_grad_()
+        with pytest.MonkeyPatch.context() as mp, torch.autocast('cpu', dtype=dtype):
+            calls = record_calls(mp, mlp_layer, recomputed_branch='recomputed_branch', norm_mlp_train='norm_mlp_train')
+            y = norm_mlp_branch(blk, blk.norm2, blk.mlp, x, checkpoint=checkpoint)
+            ref = blk.mlp(x.detach(), norm=blk.norm2)
+        assert calls.names == [ran], (type(blk).__name__, calls.names)
+        assert y.dtype == dtype
+        torch.testing.assert_close(y.float(), ref.float(), rtol=0, atol=4 * torch.finfo(dtype).eps * ref.abs().max().item())
+        y.float().sum().backward()
+        assert blk.mlp.fc1.weight.grad.dtype == torch.float32 and x.grad.dtype == dtype
 
 
 def test_norm_mlp_branch_dispatch():

@@ -19,8 +19,8 @@ from mmcv.cnn import build_activation_layer
 from ..ops import CHECKPOINT, TRAIN, choose
 from ..ops.checkpoint import recomputed_branch
 from ..ops.memory import DEFAULT_POLICY
-from ..ops.mlp import (CONV_MLP, MLP, NORM_MLP, ConvMlpPiecesFunction, ConvMlpFunction,  # noqa: F401
-                       NormMlpFunction, conv_mlp, mlp, norm_mlp_train)
+from ..ops.mlp import (CONV_MLP, MLP, NORM_MLP, NORM_MLP_UNCHECKPOINTED, ConvMlpPiecesFunction,  # noqa: F401
+                       ConvMlpFunction, NormMlpFunction, conv_mlp, mlp, norm_mlp_train)
 from ..ops.mlp.pieces import gelu_
 from .conv import Conv2dCL
 
@@ -95,10 +95,11 @@ def norm_mlp_branch(block, norm, mlp, x, checkpoint=True):
     """The pre-norm MLP branch mlp(norm(x)) of `block` (an `Mlp`, which takes `norm=`), its path chosen with
     `block`'s mode and `fast_train` and the MLP's memory policy: `NormMlpFunction` where `ops.mlp.NORM_MLP`
     applies (an affine LayerNorm and an `Mlp`), else the whole branch recomputed in backward
-    (`checkpoint.recomputed_branch`; with `checkpoint=False` plain autograd instead), else `mlp(x, norm=norm)`
-    (its own path)."""
+    (`checkpoint.recomputed_branch`); with `checkpoint=False` (`ops.mlp.NORM_MLP_UNCHECKPOINTED`) the function
+    also on half tokens and plain autograd where it does not apply; else `mlp(x, norm=norm)` (its own path)."""
     fused = isinstance(norm, nn.LayerNorm) and norm.elementwise_affine and isinstance(mlp, Mlp)
-    supports = NORM_MLP._replace(train=NORM_MLP.train if fused else None, checkpoint=checkpoint)
+    supports = NORM_MLP if checkpoint else NORM_MLP_UNCHECKPOINTED
+    supports = supports if fused else supports._replace(train=None)
     path = choose(block, x, x.numel(), supports, modules=(mlp.drop,), acts=(mlp.act,), policy=mlp.memory_policy)
     if path.impl == TRAIN:
         return norm_mlp_train(x, norm, mlp.fc1, mlp.fc2, path.piece)

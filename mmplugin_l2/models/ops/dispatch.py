@@ -46,18 +46,20 @@ class Path(NamedTuple):
 class Fast(NamedTuple):
     """What one fast path (inference or train) of an op runs on; outside it `choose` does not take it.
 
-    half: fp16 / bf16 inputs. autocast: under autocast on the input's device. dropout: an active dropout (p > 0,
-    train mode) among the op's modules. train_norm: a BatchNorm in train mode among them. act: a predicate every
-    activation of the op must satisfy (None: any). pieces_only: the path exists only in pieces (whole maps take the
-    reference). input_grad: the path needs the input to require a gradient (train paths whose backward is written
-    for it). devices, dtypes: the device types and dtypes of the input the path runs on (None: any). channels_last:
-    the path needs a channels-last (B, C, H, W) input. autocast_pieces: under autocast the path takes the memory
-    policy's pieces (False: whole maps there, e.g. where the pieces' partial sums would be rounded to the autocast
-    dtype one by one, less accurate than the reference's one product). compute_dtypes: the dtypes the path computes
-    in (`compute_dtype_of`: the autocast dtype for an fp32 input under autocast, else the input's) that it runs for
-    (None: any), e.g. a path faster than the reference only in bf16.
+    half: fp16 / bf16 inputs (True, False, or 'autocast': only under autocast, where the parameters stay fp32).
+    autocast: under autocast on the input's device. dropout: an active dropout (p > 0, train mode) among the op's
+    modules. train_norm: a BatchNorm in train mode among them. act: a predicate every activation of the op must
+    satisfy (None: any). pieces_only: the path exists only in pieces (whole maps take the reference). input_grad:
+    the path needs the input to require a gradient (train paths whose backward is written for it). devices,
+    dtypes: the device types and dtypes of the input the path runs on (None: any). channels_last: the path needs
+    a channels-last (B, C, H, W) input. half_pieces: where it computes in half precision (`compute_dtype_of`:
+    under autocast or on fp16 / bf16 inputs) the path takes the memory policy's pieces (False: whole maps there,
+    e.g. where the pieces' partial sums would be rounded to that dtype one by one, less accurate than the
+    reference's one product). compute_dtypes: the dtypes the path computes in (`compute_dtype_of`: the autocast
+    dtype for an fp32 input under autocast, else the input's) that it runs for (None: any), e.g. a path faster
+    than the reference only in bf16.
     """
-    half: bool = True
+    half: object = True
     autocast: bool = True
     dropout: bool = True
     train_norm: bool = True
@@ -67,7 +69,7 @@ class Fast(NamedTuple):
     devices: Optional[tuple] = None
     dtypes: Optional[tuple] = None
     channels_last: bool = False
-    autocast_pieces: bool = True
+    half_pieces: bool = True
     compute_dtypes: Optional[tuple] = None
 
 
@@ -115,7 +117,7 @@ def _takes(fast, x, modules, acts):
     """Whether the fast path `fast` runs on input `x` with the op's `modules` and `acts` (its piece aside)."""
     if fast is None:
         return False
-    if not fast.half and x.dtype in HALF_DTYPES:
+    if x.dtype in HALF_DTYPES and (not fast.half or fast.half == 'autocast' and not autocast_on(x.device.type)):
         return False
     if not fast.autocast and autocast_on(x.device.type):
         return False
@@ -139,7 +141,7 @@ def _takes(fast, x, modules, acts):
 def _path(impl, fast, policy, x, whole_elems):
     """Path(impl, piece) for a fast path that applies, or None where it exists only in pieces and gets none."""
     piece = _policy_piece(policy, x, whole_elems)
-    if piece is not None and not fast.autocast_pieces and autocast_on(x.device.type):
+    if piece is not None and not fast.half_pieces and compute_dtype_of(x) in HALF_DTYPES:
         piece = None
     return None if fast.pieces_only and piece is None else Path(impl, piece)
 

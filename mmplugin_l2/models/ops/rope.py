@@ -77,11 +77,14 @@ def rope_heads(x, rot, num_heads):
 def rope_heads_backward(g, rot, out):
     """The transpose of `rope_heads`, written into `out` (B, N, C) (e.g. a channel slice of a larger
     gradient): the rotation is orthogonal, so its transpose rotates back by the conjugate table.
-    g: (B, H, N, d) gradient of the rotated heads."""
+    g: (B, H, N, d) gradient of the rotated heads. Half g (the closed-form backward under autocast) is rotated
+    in fp32 and rounded once into `out`."""
     b, h, n, d = g.shape
     rot = (rot.to(torch.complex128) if g.dtype == torch.float64 else rot).conj()
-    if d % 2 or not _pairs_viewable(out):   # pairs across heads, or odd strides: rotate whole tokens
-        g = g.transpose(1, 2).reshape(b, n, h * d)
+    if g.dtype not in (torch.float32, torch.float64):
+        g = g.float()
+    if d % 2 or not _pairs_viewable(out) or out.dtype != g.dtype:   # pairs across heads, odd strides or a
+        g = g.transpose(1, 2).reshape(b, n, h * d)                   # half out: rotate whole tokens, copy
         return out.copy_(torch.view_as_real(_complex(g) * rot).flatten(-2))
     torch.mul(_complex(g).transpose(1, 2), rot.view(n, h, -1), out=_complex(out.unflatten(-1, (h, d))))
     return out

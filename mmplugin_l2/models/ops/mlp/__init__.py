@@ -1,13 +1,13 @@
 """The MLP ops: `naive` (the maths, the tests' oracle), `reference` (plain autograd, the activation a
 parameter), `pieces` (inference, exact GELU in place, in pieces of tokens / rows), `train` (closed-form backward
 functions, exact GELU). `mlp` and `conv_mlp` run the implementation the `Path` of `ops.dispatch.choose` names;
-`MLP`, `CONV_MLP` and `NORM_MLP` declare what their fast paths support; `norm_mlp_train` is the pre-norm MLP
+`MLP`, `CONV_MLP`, `NORM_MLP` and `NORM_MLP_UNCHECKPOINTED` declare what their fast paths support; `norm_mlp_train` is the pre-norm MLP
 branch's training function.
 
-Every fast path needs the exact GELU; the train functions also fp32 / fp64 tensors and no active dropout (its
-masks need checkpointing's RNG replay), the ConvMlp functions also no autocast (`NormMlpFunction` runs under it
-as the reference does: LayerNorm in fp32, products in the autocast dtype; whole maps). Outside that, training checkpoints
-the reference (recomputed in backward, RNG state preserved).
+Every fast path needs the exact GELU; the train functions also no active dropout (its masks need checkpointing's
+RNG replay), the ConvMlp functions also fp32 / fp64 tensors and no autocast (`NormMlpFunction` runs under it and
+on half tokens as the reference does: LayerNorm statistics in fp32, products in the half dtype; whole maps).
+Outside that, training checkpoints the reference (recomputed in backward, RNG state preserved).
 """
 import torch.nn as nn
 
@@ -17,7 +17,8 @@ from .pieces import conv_mlp_inference, gelu_, linear_into, mlp_inference
 from .reference import conv_mlp_reference, mlp_reference
 from .train import ConvMlpPiecesFunction, ConvMlpFunction, NormMlpFunction
 
-__all__ = ['CONV_MLP', 'ConvMlpPiecesFunction', 'ConvMlpFunction', 'MLP', 'NORM_MLP', 'NormMlpFunction', 'conv_mlp',
+__all__ = ['CONV_MLP', 'ConvMlpPiecesFunction', 'ConvMlpFunction', 'MLP', 'NORM_MLP', 'NORM_MLP_UNCHECKPOINTED',
+           'NormMlpFunction', 'conv_mlp',
            'conv_mlp_inference', 'conv_mlp_reference', 'exact_gelu', 'gelu_', 'linear_into', 'mlp', 'mlp_inference',
            'mlp_reference', 'norm_mlp_train']
 
@@ -33,10 +34,15 @@ _TRAIN_FUNCTION = Fast(half=False, autocast=False, dropout=False, act=exact_gelu
 MLP = Supports(inference=Fast(act=exact_gelu), train=None, checkpoint=True)
 #: ConvMlp: inference in pieces / in place; training `ConvMlpFunction` / `ConvMlpPiecesFunction`, else checkpointed
 CONV_MLP = Supports(inference=Fast(act=exact_gelu), train=_TRAIN_FUNCTION, checkpoint=True)
-#: a block's pre-norm MLP branch (affine LayerNorm, `Mlp`): training `NormMlpFunction` (under autocast on whole
-#: maps: its pieces' weight gradients would be sums of products rounded to the autocast dtype), else checkpointed
+#: a recomputing block's pre-norm MLP branch (affine LayerNorm, `Mlp`; L2ViT): training `NormMlpFunction`, under
+#: autocast on whole maps (its pieces' weight gradients would be sums of products rounded to the half dtype); on
+#: half tokens (the residual stream after a conv stem under autocast) checkpointed instead: as fast in bf16, and
+#: it keeps only the branch input where the function also keeps the fc1 output
 NORM_MLP = Supports(inference=None, train=_TRAIN_FUNCTION._replace(input_grad=False, autocast=True,
-                                                                   autocast_pieces=False), checkpoint=True)
+                                                                   half_pieces=False), checkpoint=True)
+#: the branch of a block that does not recompute (ResT): `NormMlpFunction` also on half tokens (it keeps x and the
+#: fc1 output where the reference keeps the LayerNorm output, the fc1 output and its GELU), else the reference
+NORM_MLP_UNCHECKPOINTED = Supports(inference=None, train=NORM_MLP.train._replace(half=True), checkpoint=False)
 
 
 def mlp(path, x, fc1, fc2, act, drop, norm=None):

@@ -3,9 +3,10 @@
 functions, autocast).
 
 * `NormMlpFunction`: fc2(GELU(fc1(LayerNorm(x)))), keeping x and the fc1 output; optionally in pieces of
-  tokens. Under autocast (fp32 x) it computes what the reference computes there: the LayerNorm in fp32, the
-  products, the GELU and the output in the autocast dtype (the weights cast once); the parameter gradients
-  are accumulated in fp32.
+  tokens. Under autocast it computes what the reference computes there: the LayerNorm in x's dtype (fp32, or
+  the autocast dtype where the residual stream already is in it) with fp32 statistics, the products, the GELU
+  and the output in the autocast dtype (the weights cast once); the parameter gradients are accumulated in
+  fp32.
 * `ConvMlpFunction`: ConvMlp's chain, keeping x (and the fc1 output with `keep_fc1`).
 * `ConvMlpPiecesFunction`: the same in pieces of rows with one halo row each side.
 """
@@ -41,7 +42,8 @@ class NormMlpFunction(torch.autograd.Function):
         with autocast_off(dev):
             w1c, b1c, w2c, b2c = _cast(lp, w1, b1, w2, b2)
             h, y = x2.new_empty(m, w1.shape[0], dtype=w1c.dtype), x2.new_empty(m, w2.shape[0], dtype=w2c.dtype)
-            mean, rstd = x2.new_empty(m, 1), x2.new_empty(m, 1)
+            stat = torch.promote_types(x2.dtype, torch.float32)          # native_layer_norm's statistics dtype
+            mean, rstd = x2.new_empty(m, 1, dtype=stat), x2.new_empty(m, 1, dtype=stat)
             for r in pieces:
                 xn, mean[r], rstd[r] = torch.native_layer_norm(x2[r], (c,), ln_w, ln_b, eps)
                 _linear_into(h[r], _cast(lp, xn)[0], w1c, b1c)

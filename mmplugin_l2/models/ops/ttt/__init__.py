@@ -3,6 +3,8 @@
 autograd), `pieces` (inference in pieces of tokens, without autograd), `train` (`TTTCore`: closed-form backward,
 pieces of tokens). `ttt_attention` runs the one the `Path` of `ops.dispatch.choose` names; `TTT` declares what
 the fast paths support."""
+import torch
+
 from ..dispatch import CHECKPOINT, INFERENCE, TRAIN, Fast, Supports
 from .pieces import proj_input, ttt_core_pieces, ttt_inference
 from .reference import (dwconv_inner_grad, dwconv_per_sample, normalize_inner_grad, swiglu_inner_grads, tap_sums,
@@ -13,9 +15,12 @@ __all__ = ['TTT', 'TTTCore', 'dwconv_inner_grad', 'dwconv_per_sample', 'normaliz
            'proj_input', 'tap_sums', 'ttt_attention', 'ttt_core', 'ttt_core_backward', 'ttt_core_pieces',
            'ttt_inference']
 
-#: inference in pieces / in place, any dtype; the closed-form backward in fp32 / fp64 outside autocast, else
-#: the checkpoint path (`TTTCore` recomputing by autograd)
-TTT = Supports(inference=Fast(), train=Fast(half=False, autocast=False), checkpoint=True)
+#: inference in pieces / in place, any dtype; the closed-form backward in fp32 / fp64 and under fp16 autocast (its
+#: products in fp16, the token sums and the inner step in fp32: more accurate than the reference there); under bf16
+#: autocast and with half weights the checkpoint path (`TTTCore` recomputing by autograd): in bf16 the closed form
+#: measured no faster on CPU, and its pieces' bf16-rounded token sums make the weight gradients no more accurate
+TTT = Supports(inference=Fast(), train=Fast(half='autocast', compute_dtypes=(torch.float16, torch.float32,
+                                                                             torch.float64)), checkpoint=True)
 
 
 def ttt_attention(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, path):

@@ -6,9 +6,14 @@ contiguous head layout their products take without copies), not autograd through
 
 With a piece size (the memory policy's, on its devices) the forward (`pieces.ttt_core_pieces`) and the
 SwiGLU part of the backward run in pieces of tokens; parameter gradients are then sums over the pieces.
-Where the closed form does not apply (half precision, autocast: `ops.ttt.TTT` declares it, `choose` decides)
-the dispatch gives the checkpoint path: the same forward, and a backward by autograd through the reference
-under the forward's autocast state.
+
+Under autocast the closed form runs under the forward's autocast state: its matrix products and per-sample
+convolutions in the autocast dtype, as the reference's backward runs them there; the sums over all tokens
+(k^T a, q^T dz', k^T dz) as the forward takes them (`reference.token_sum_matmul`: fp32 for fp16) and
+accumulated in fp32, and the inner step on the (B, H, d, 2d) gradient (its normalisation and the backward
+through it) in fp32. Where the closed form does not apply (`ops.ttt.TTT` declares it, `choose` decides) the
+dispatch gives the checkpoint path: the same forward, and a backward by autograd through the reference under
+the forward's autocast state.
 """
 import torch
 import torch.nn.functional as F
@@ -17,7 +22,7 @@ from ..dtypes import autocast_off, autocast_on
 from ..rope import rope_heads, rope_heads_backward
 from ..split import split
 from .pieces import ttt_core_pieces
-from .reference import dwconv_per_sample, heads, split_qkv, tap_sums, ttt_core
+from .reference import dwconv_per_sample, heads, split_qkv, tap_sums, token_sum_matmul, ttt_core
 from .step import loss_factor, normalise_backward, update
 
 
@@ -37,6 +42,11 @@ def _swiglu_terms(k, v, w12):
     torch.mul(v, silu2, out=a[..., :d])
     torch.mul(v, t, out=a[..., d:])
     return z1, z2, silu2, s2, om, dsilu2, t, a
+
+
+def _accumulate(total, part):
+    """total + part over the pieces of tokens, in fp32 at least (a half part is upcast once)."""
+    return part.to(torch.promote_types(part.dtype, torch.float32)) if total is None else total.add_(part)
 
 
 def _swiglu_core_backward(dy, q, k, v, w12, scale, lr, dq_out, dk_out, dv_out, pieces):
@@ -71,8 +81,7 @@ def _swiglu_core_backward(dy, q, k, v, w12, scale, lr, dq_out, dk_out, dv_out, p
     for i0, i1, _, _ in pieces:
         kb, vb = k(i0, i1), v(i0, i1)
         terms = _swiglu_terms(kb, vb, w12)
-        part = kb.transpose(-2, -1) @ terms[-1]
-        gs = part if gs is None else gs.add_(part)
+        gs = _accumulate(gs, token_sum_matmul(kb.transpose(-2, -1), terms[-1]))
         if len(pieces) == 1:     # whole maps: keep the terms for the third pass instead of recomputing
             kept = kb, vb, terms
         del terms
@@ -88,8 +97,7 @@ def _swiglu_core_backward(dy, q, k, v, w12, scale, lr, dq_out, dk_out, dv_out, p
         torch.mul(dyb, F.silu(zz2), out=dz_out[..., :d])
         torch.ops.aten.silu_backward.grad_input(dyb * zz1, zz2, grad_input=dz_out[..., d:])
         dq_out(i0, i1, dz_out @ w12n.transpose(-2, -1))
-        part = qb.transpose(-2, -1) @ dz_out
-        dwn = part if dwn is None else dwn.add_(part)
+        dwn = _accumulate(dwn, token_sum_matmul(qb.transpose(-2, -1), dz_out))
     dgs = normalise_backward(gs, dwn * -lr, -2) * cst     # dL/d(k^T a)
 
     for i0, i1, _, _ in pieces:
@@ -109,7 +117,7 @@ def _swiglu_core_backward(dy, q, k, v, w12, scale, lr, dq_out, dk_out, dv_out, p
         dz2.addcmul_(da2.mul_(z1), ddsilu2).mul_(vb)
         del da, da1, da2, ddsilu2
         dk_out(i0, i1, dk.add_(dz @ w12.transpose(-2, -1)))
-        dwn.add_(kb.transpose(-2, -1) @ dz)
+        dwn.add_(token_sum_matmul(kb.transpose(-2, -1), dz))
     return dwn
 
 
@@ -131,7 +139,8 @@ def _conv_head_backward(dx2, q2, k2, v2, w3, scale, lr):
 
 
 def ttt_core_backward(grad_out, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, piece=None):
-    """Gradients of `reference.ttt_core` w.r.t. qkv, w1, w2, w3 in closed form (fp32 / fp64, no autocast):
+    """Gradients of `reference.ttt_core` w.r.t. qkv, w1, w2, w3 in closed form (under autocast as the module
+    docstring says):
     the inner models are recomputed without autograd and the chain rule runs through their one-step inner
     gradients explicitly (`_swiglu_core_backward`, `_conv_head_backward`, RoPE transposed by its conjugate
     rotation).
@@ -182,9 +191,9 @@ def ttt_core_backward(grad_out, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale
 
 
 class TTTCore(torch.autograd.Function):
-    """`reference.ttt_core` that saves only its inputs and recomputes the inner models in backward: in closed
-    form (`ttt_core_backward`, the train path: fp32 / fp64 without autocast) or, with `closed_form=False` (the
-    checkpoint path), by autograd through the reference under the forward's autocast state. The forward is
+    """`reference.ttt_core` that saves only its inputs and recomputes the inner models in backward, under the
+    forward's autocast state: in closed form (`ttt_core_backward`, the train path) or, with `closed_form=False`
+    (the checkpoint path), by autograd through the reference. The forward is
     `pieces.ttt_core_pieces`; with `piece` it and the closed-form backward run in pieces of `piece` elements.
 
     Inputs: those of `reference.ttt_core`, then `piece` (int | None) and `closed_form` (bool). Output
@@ -206,13 +215,14 @@ class TTTCore(torch.autograd.Function):
         saved = ctx.saved_tensors
         needs = [ctx.needs_input_grad[i] for i in (0, 2, 3, 4)]
         none = (None,) * 6
-        if ctx.closed_form:
-            g = ttt_core_backward(grad_out, *saved[:1], ctx.rot, *saved[1:], *ctx.args, ctx.piece)
-            g = [t if r else None for t, r in zip(g, needs)]
-            return g[0], None, g[1], g[2], g[3], *none
         dev, enabled, dtype = ctx.autocast
-        inputs = [t.detach().requires_grad_(r) for t, r in zip(saved, needs)]
         amp = torch.autocast(dev, enabled=True, dtype=dtype) if enabled else autocast_off(dev)
+        if ctx.closed_form:
+            with amp:
+                g = ttt_core_backward(grad_out, *saved[:1], ctx.rot, *saved[1:], *ctx.args, ctx.piece)
+            g = [t.to(s.dtype) if r else None for t, s, r in zip(g, saved, needs)]
+            return g[0], None, g[1], g[2], g[3], *none
+        inputs = [t.detach().requires_grad_(r) for t, r in zip(saved, needs)]
         with torch.enable_grad(), amp:
             out = ttt_core(inputs[0], ctx.rot, *inputs[1:], *ctx.args)
         wrt = [t for t, r in zip(inputs, needs) if r]
