@@ -157,7 +157,10 @@ def _large_activations(mod, x, scale):
 @pytest.mark.parametrize('grad', [False, True])
 def test_ttt_token_sums_stay_in_fp16_range(grad):
     """k^T [a1 | a2] and the conv-head gradient sum over all N tokens; at 1248^2 with these activations
-    they reach ~1e6, past fp16's 65504."""
+    they reach ~1e6, past fp16's 65504. With `grad`, a training step's backward too (under fp16 autocast the
+    closed form, whose token sums q^T dz and k^T dz are as large): with the loss scaled so that fp32's gradients fit
+    fp16 (as GradScaler keeps them) every gradient is finite and close to fp32's; unscaled, the inner models'
+    weight gradients (~3e6) are still finite, their sums over the tokens being fp32."""
     torch.manual_seed(0)
     m = TTTAttention(16, 1)
     x = _large_activations(m, torch.randn(1, N_1248, 16), 0.15)
@@ -168,6 +171,14 @@ def test_ttt_token_sums_stay_in_fp16_range(grad):
             low = m(x, hw)
     assert torch.isfinite(low).all()
     assert rel_l2(low, ref) <= BOUND[torch.float16]
+    if grad:
+        params = list(m.parameters())
+        g_ref = torch.autograd.grad(ref.sum() * 1e-3, params, retain_graph=True)
+        g_low = torch.autograd.grad(low.float().sum() * 1e-3, params, retain_graph=True)
+        for a, b in zip(g_low, g_ref):
+            assert torch.isfinite(a).all() and rel_l2(a, b) <= BOUND[torch.float16], rel_l2(a, b)
+        inner = torch.autograd.grad(low.float().sum(), [m.w1, m.w2, m.w3])
+        assert all(torch.isfinite(g).all() for g in inner) and max(g.abs().max() for g in inner) > 1e6
 
 
 def test_linear_attention_sums_stay_in_fp16_range():

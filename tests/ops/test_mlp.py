@@ -184,43 +184,6 @@ def test_conv_mlp_layer_takes_the_train_functions():
 
 
 @pytest.mark.parametrize('keep_fc1', [True, False])
-@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
-def test_conv_mlp_function_under_autocast_no_worse_than_the_reference(dtype, keep_fc1):
-    """Under autocast, on tokens in the autocast dtype (H-ViT3's residual stream after its conv stem; values of that
-    dtype, cast in the graph): `ConvMlpFunction`, its backward under the forward's autocast state, against the
-    naive form in float64, output and every gradient, no worse than the reference under the same autocast."""
-    hw = (6, 5)
-    x = _x(hw).detach().to(dtype).double().requires_grad_()
-    fast = lambda x, *p: ConvMlpFunction.apply(x.to(dtype), hw, keep_fc1, *p)  # noqa: E731
-    ref = lambda x, *p: _conv_mlp(conv_mlp_reference)(x.to(dtype), hw, *p)  # noqa: E731
-    e_fast, _ = assert_autocast_no_worse(fast, ref, lambda x, *p: _conv_mlp(conv_mlp_naive)(x, hw, *p),
-                                         [x] + _params(), dtype, norm='l2')
-    assert max(e_fast) < (5e-2 if dtype == torch.bfloat16 else 1e-2), e_fast
-
-
-@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
-def test_conv_mlp_layer_under_autocast_takes_the_function_on_whole_maps(dtype):
-    """Under autocast, on fp32 and on half tokens: `ConvMlpFunction` on the whole map even where the memory policy
-    gives pieces outside autocast; half tokens without autocast (half weights) checkpoint the reference. The output
-    is in the autocast dtype, the parameter gradients in fp32."""
-    hw = (7, 9)
-    m = _layer(ConvMlp).float().train()
-    names = []
-    for x_dtype in (torch.float32, dtype):
-        x = torch.randn(2, 63, C, dtype=x_dtype, requires_grad=True)
-        with torch.autocast('cpu', dtype=dtype):
-            y = m(x, hw)
-        names.append(_grad_fn(y))
-        assert y.dtype == dtype
-        y.float().sum().backward()
-        assert m.fc1.weight.grad.dtype == torch.float32 and x.grad.dtype == x_dtype
-    assert m(torch.randn(2, 63, C, requires_grad=True), hw).grad_fn.name() == 'ConvMlpPiecesFunctionBackward'
-    half = _layer(ConvMlp).to(dtype).train()
-    names.append(_grad_fn(half(torch.randn(2, 63, C, dtype=dtype, requires_grad=True), hw)))
-    assert names == ['ConvMlpFunctionBackward'] * 2 + ['ViewBackward0'], names
-
-
-@pytest.mark.parametrize('keep_fc1', [True, False])
 def test_conv_mlp_function_keeps_input_and_fc1_output(keep_fc1):
     """The op's train path on the whole map keeps x and, with `keep_fc1` (the layer always keeps it), the fc1
     output."""
@@ -380,8 +343,8 @@ def test_norm_mlp_branch_other_activation_takes_the_reference():
 @pytest.mark.parametrize('train', [False, True])
 def test_layers_under_autocast(dtype, cls, train):
     """fp32 layers under CPU autocast, pieces forced (tiny max_elems): no dtype error, the dtype autocast
-    gives, the float32 reference's values to half precision; training with `fast_train` takes `ConvMlpFunction`
-    (ConvMlp) or the recomputed reference (Mlp), and its gradients are close too."""
+    gives, the float32 reference's values to half precision; training with `fast_train` falls back to the
+    (recomputed) reference and its gradients are close too."""
     torch.manual_seed(0)
     m = cls(C, R, fast_train=True).float()
     set_memory_policy(m, dict(max_elems=2 * C))
@@ -394,7 +357,7 @@ def test_layers_under_autocast(dtype, cls, train):
     assert y.dtype == dtype
     torch.testing.assert_close(y.float(), ref, rtol=0.05, atol=0.05)
     if train:
-        assert _grad_fn(y) == ('ConvMlpFunctionBackward' if cls is ConvMlp else 'ViewBackward0')
+        assert 'Function' not in _grad_fn(y)
         g_fast = torch.autograd.grad(y.float().sum(), [x] + list(m.parameters()))
         g_ref = torch.autograd.grad(ref.sum(), [x] + list(m.parameters()))
         for a, b in zip(g_fast, g_ref):

@@ -15,15 +15,6 @@ def autocast_off(device_type):
     return contextlib.nullcontext()
 
 
-def autocast_state(device_type):
-    """The current autocast state of `device_type` as a function returning a context manager that restores it
-    (enabled with its dtype, or off): a train function's backward runs under its forward's state."""
-    if not autocast_on(device_type):
-        return lambda: autocast_off(device_type)
-    dtype = torch.get_autocast_dtype(device_type)
-    return lambda: torch.autocast(device_type, enabled=True, dtype=dtype)
-
-
 def compute_dtype(t):
     """fp32 for fp16 / bf16 tensors, else the tensor's own dtype."""
     return torch.float32 if t.dtype in HALF_DTYPES else t.dtype

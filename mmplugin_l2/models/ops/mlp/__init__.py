@@ -5,9 +5,8 @@ functions, exact GELU). `mlp` and `conv_mlp` run the implementation the `Path` o
 `norm_mlp_train` is the pre-norm MLP branch's training function.
 
 Every fast path needs the exact GELU; the train functions also no active dropout (its masks need checkpointing's
-RNG replay) and, for half tokens, autocast (fp32 parameters). Under autocast they compute as the reference does
-there, on whole maps: `NormMlpFunction` with the LayerNorm statistics in fp32 and the products in the half dtype,
-`ConvMlpFunction` with its backward under the forward's autocast state (the same kernels in the same dtypes).
+RNG replay), the ConvMlp functions also fp32 / fp64 tensors and no autocast (`NormMlpFunction` runs under it and
+on half tokens as the reference does: LayerNorm statistics in fp32, products in the half dtype; whole maps).
 Outside that, training checkpoints the reference (recomputed in backward, RNG state preserved).
 """
 import torch.nn as nn
@@ -33,10 +32,10 @@ def exact_gelu(act):
 _TRAIN_FUNCTION = Fast(half=False, autocast=False, dropout=False, act=exact_gelu, input_grad=True)
 #: Mlp: inference in pieces / in place; training checkpoints the reference
 MLP = Supports(inference=Fast(act=exact_gelu), train=None, checkpoint=True)
-#: ConvMlp: inference in pieces / in place; training `ConvMlpFunction` / `ConvMlpPiecesFunction`, under autocast (also
-#: on half tokens there) `ConvMlpFunction` on whole maps, else checkpointed
-CONV_MLP = Supports(inference=Fast(act=exact_gelu), checkpoint=True,
-                    train=_TRAIN_FUNCTION._replace(half='autocast', autocast=True, half_pieces=False))
+#: ConvMlp: inference in pieces / in place; training `ConvMlpFunction` / `ConvMlpPiecesFunction` in fp32 / fp64, else
+#: checkpointed (under bf16 autocast a whole-step A/B measured the function no faster and its kept fc1 outputs
+#: larger than the checkpoint's, docs/mixed_precision.md)
+CONV_MLP = Supports(inference=Fast(act=exact_gelu), train=_TRAIN_FUNCTION, checkpoint=True)
 #: a recomputing block's pre-norm MLP branch (affine LayerNorm, `Mlp`; L2ViT): training `NormMlpFunction`, under
 #: autocast on whole maps (its pieces' weight gradients would be sums of products rounded to the half dtype); on
 #: half tokens (the residual stream after a conv stem under autocast) checkpointed instead: as fast in bf16, and

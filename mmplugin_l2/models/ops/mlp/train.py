@@ -1,20 +1,19 @@
 """The MLPs' training functions: closed-form backward with recomputation of the elementwise parts
-(exact GELU only; `ops.mlp` falls back to the reference for other activations and dropout).
+(exact GELU only; `ops.mlp` falls back to the reference for other activations, dropout and, for the ConvMlp
+functions, autocast).
 
 * `NormMlpFunction`: fc2(GELU(fc1(LayerNorm(x)))), keeping x and the fc1 output; optionally in pieces of
   tokens. Under autocast it computes what the reference computes there: the LayerNorm in x's dtype (fp32, or
   the autocast dtype where the residual stream already is in it) with fp32 statistics, the products, the GELU
   and the output in the autocast dtype (the weights cast once); the parameter gradients are accumulated in
   fp32.
-* `ConvMlpFunction`: ConvMlp's chain, keeping x (and the fc1 output with `keep_fc1`); its backward runs under the
-  forward's autocast state, so under autocast it computes with the reference's kernels in the reference's dtypes.
-* `ConvMlpPiecesFunction`: the same in pieces of rows with one halo row each side (fp32 / fp64: under autocast
-  `ops.mlp.CONV_MLP` gives whole maps).
+* `ConvMlpFunction`: ConvMlp's chain, keeping x (and the fc1 output with `keep_fc1`).
+* `ConvMlpPiecesFunction`: the same in pieces of rows with one halo row each side.
 """
 import torch
 import torch.nn.functional as F
 
-from ..dtypes import autocast_off, autocast_on, autocast_state
+from ..dtypes import autocast_off, autocast_on
 from ..split import split
 from ..tokens import map_to_tokens, tokens_to_map
 from .pieces import linear_into as _linear_into
@@ -120,17 +119,12 @@ class ConvMlpFunction(torch.autograd.Function):
     def forward(ctx, x, hw_shape, keep_fc1, w1, b1, wc, bc, w2, b2):
         h = F.linear(x, w1, b1)
         s = _conv_residual(F.gelu(h), hw_shape, wc, bc)
-        ctx.hw_shape, ctx.amp = hw_shape, autocast_state(x.device.type)
+        ctx.hw_shape = hw_shape
         ctx.save_for_backward(x, h if keep_fc1 else None, w1, b1, wc, bc, w2, b2)
         return F.linear(F.gelu(s), w2, b2)
 
     @staticmethod
     def backward(ctx, grad):
-        with ctx.amp():
-            return ConvMlpFunction._backward(ctx, grad)
-
-    @staticmethod
-    def _backward(ctx, grad):
         x, h, w1, b1, wc, bc, w2, b2 = ctx.saved_tensors
         need = ctx.needs_input_grad
         if h is None:
@@ -145,7 +139,7 @@ class ConvMlpFunction(torch.autograd.Function):
         del s
         du, dwc, dbc = torch.ops.aten.convolution_backward(
             tokens_to_map(ds, ctx.hw_shape), tokens_to_map(u, ctx.hw_shape),
-            wc.to(u.dtype, memory_format=torch.channels_last), [r] if bc is not None else None, [1, 1], [1, 1], [1, 1],
+            wc.to(memory_format=torch.channels_last), [r] if bc is not None else None, [1, 1], [1, 1], [1, 1],
             False, [0, 0], r, [True, need[5], bc is not None and need[6]])
         du = map_to_tokens(du).add_(ds)
         dh = torch.ops.aten.gelu_backward.grad_input(du, h, grad_input=du).reshape(-1, r)

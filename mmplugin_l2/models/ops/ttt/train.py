@@ -18,7 +18,7 @@ the forward's autocast state.
 import torch
 import torch.nn.functional as F
 
-from ..dtypes import autocast_state
+from ..dtypes import autocast_off, autocast_on
 from ..rope import rope_heads, rope_heads_backward
 from ..split import split
 from .pieces import ttt_core_pieces
@@ -202,7 +202,9 @@ class TTTCore(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, piece=None, closed_form=True):
-        ctx.amp = autocast_state(qkv.device.type)
+        dev = qkv.device.type
+        on = autocast_on(dev)
+        ctx.autocast = (dev, on, torch.get_autocast_dtype(dev) if on else None)
         ctx.args = (hw_shape, num_heads, scale, lr)
         ctx.piece, ctx.closed_form, ctx.rot = piece, closed_form, rot
         ctx.save_for_backward(qkv, w1, w2, w3)
@@ -213,13 +215,15 @@ class TTTCore(torch.autograd.Function):
         saved = ctx.saved_tensors
         needs = [ctx.needs_input_grad[i] for i in (0, 2, 3, 4)]
         none = (None,) * 6
+        dev, enabled, dtype = ctx.autocast
+        amp = torch.autocast(dev, enabled=True, dtype=dtype) if enabled else autocast_off(dev)
         if ctx.closed_form:
-            with ctx.amp():
+            with amp:
                 g = ttt_core_backward(grad_out, *saved[:1], ctx.rot, *saved[1:], *ctx.args, ctx.piece)
             g = [t.to(s.dtype) if r else None for t, s, r in zip(g, saved, needs)]
             return g[0], None, g[1], g[2], g[3], *none
         inputs = [t.detach().requires_grad_(r) for t, r in zip(saved, needs)]
-        with torch.enable_grad(), ctx.amp():
+        with torch.enable_grad(), amp:
             out = ttt_core(inputs[0], ctx.rot, *inputs[1:], *ctx.args)
         wrt = [t for t, r in zip(inputs, needs) if r]
         grads = iter(torch.autograd.grad(out, wrt, grad_out)) if wrt else iter(())
