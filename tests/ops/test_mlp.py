@@ -258,7 +258,7 @@ def test_norm_mlp_branch_on_half_tokens(dtype):
     block's branch (L2ViT) is checkpointed, which keeps only its input; a block that does not recompute (ResT) runs
     `NormMlpFunction` on the whole map (keeping x and the fc1 output, not the reference's three hidden maps). Both
     give the reference's output under the same autocast; the parameter gradients are fp32, the input's in the
-    tokens' dtype."""
+    tokens' dtype. Half weights without autocast take the reference."""
     from mmplugin_l2.models.backbones.l2vit import LGABlock
     from mmplugin_l2.models.backbones.rest import ResTBlock
     from mmplugin_l2.models.layers import mlp as mlp_layer
@@ -277,6 +277,11 @@ def test_norm_mlp_branch_on_half_tokens(dtype):
         torch.testing.assert_close(y.float(), ref.float(), rtol=0, atol=tol)
         y.float().sum().backward()
         assert blk.mlp.fc1.weight.grad.dtype == torch.float32 and x.grad.dtype == dtype
+    half = ResTBlock(8, 2, 1).to(dtype).train()                     # half weights, no autocast: the reference
+    with pytest.MonkeyPatch.context() as mp:
+        calls = record_calls(mp, mlp_layer, recomputed_branch='recomputed_branch', norm_mlp_train='norm_mlp_train')
+        norm_mlp_branch(half, half.norm2, half.mlp, torch.randn(2, 40, 8, dtype=dtype, requires_grad=True), False)
+    assert calls.names == []
 
 
 def test_norm_mlp_branch_dispatch():

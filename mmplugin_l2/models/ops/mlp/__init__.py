@@ -42,9 +42,10 @@ CONV_MLP = Supports(inference=Fast(act=exact_gelu), train=_TRAIN_FUNCTION, check
 #: it keeps only the branch input where the function also keeps the fc1 output
 NORM_MLP = Supports(inference=None, train=_TRAIN_FUNCTION._replace(input_grad=False, autocast=True,
                                                                    half_pieces=False), checkpoint=True)
-#: the branch of a block that does not recompute (ResT): `NormMlpFunction` also on half tokens (it keeps x and the
-#: fc1 output where the reference keeps the LayerNorm output, the fc1 output and its GELU), else the reference
-NORM_MLP_UNCHECKPOINTED = Supports(inference=None, train=NORM_MLP.train._replace(half=True), checkpoint=False)
+#: the branch of a block that does not recompute (ResT): `NormMlpFunction` also on half tokens under autocast (it
+#: keeps x and the fc1 output where the reference keeps the LayerNorm output, the fc1 output and its GELU), else
+#: the reference
+NORM_MLP_UNCHECKPOINTED = Supports(inference=None, train=NORM_MLP.train._replace(half='autocast'), checkpoint=False)
 
 
 def mlp(path, x, fc1, fc2, act, drop, norm=None):
