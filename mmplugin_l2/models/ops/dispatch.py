@@ -20,7 +20,7 @@ layer re-decides. Its inputs:
 
 Anything else is the reference, which is always correct.
 """
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -59,7 +59,7 @@ class Fast(NamedTuple):
     dtype for an fp32 input under autocast, else the input's) that it runs for (None: any), e.g. a path faster
     than the reference only in bf16.
     """
-    half: object = True
+    half: Union[bool, str] = True
     autocast: bool = True
     dropout: bool = True
     train_norm: bool = True

@@ -14,6 +14,7 @@ applies the transpose (rotation by the conjugate table) into a gradient's channe
 """
 import torch
 
+from .dtypes import compute_dtype
 from .export import exporting
 
 
@@ -81,8 +82,7 @@ def rope_heads_backward(g, rot, out):
     in fp32 and rounded once into `out`."""
     b, h, n, d = g.shape
     rot = (rot.to(torch.complex128) if g.dtype == torch.float64 else rot).conj()
-    if g.dtype not in (torch.float32, torch.float64):
-        g = g.float()
+    g = g.to(compute_dtype(g))
     if d % 2 or not _pairs_viewable(out) or out.dtype != g.dtype:   # pairs across heads, odd strides or a
         g = g.transpose(1, 2).reshape(b, n, h * d)                   # half out: rotate whole tokens, copy
         return out.copy_(torch.view_as_real(_complex(g) * rot).flatten(-2))

@@ -13,7 +13,7 @@ functions, autocast).
 import torch
 import torch.nn.functional as F
 
-from ..dtypes import autocast_off, autocast_on
+from ..dtypes import autocast_off, autocast_on, compute_dtype
 from ..split import split
 from ..tokens import map_to_tokens, tokens_to_map
 from .pieces import linear_into as _linear_into
@@ -42,7 +42,7 @@ class NormMlpFunction(torch.autograd.Function):
         with autocast_off(dev):
             w1c, b1c, w2c, b2c = _cast(lp, w1, b1, w2, b2)
             h, y = x2.new_empty(m, w1.shape[0], dtype=w1c.dtype), x2.new_empty(m, w2.shape[0], dtype=w2c.dtype)
-            stat = torch.promote_types(x2.dtype, torch.float32)          # native_layer_norm's statistics dtype
+            stat = compute_dtype(x2)                                    # native_layer_norm's statistics dtype
             mean, rstd = x2.new_empty(m, 1, dtype=stat), x2.new_empty(m, 1, dtype=stat)
             for r in pieces:
                 xn, mean[r], rstd[r] = torch.native_layer_norm(x2[r], (c,), ln_w, ln_b, eps)

@@ -18,7 +18,7 @@ the forward's autocast state.
 import torch
 import torch.nn.functional as F
 
-from ..dtypes import autocast_off, autocast_on
+from ..dtypes import autocast_off, autocast_on, compute_dtype
 from ..rope import rope_heads, rope_heads_backward
 from ..split import split
 from .pieces import ttt_core_pieces
@@ -46,7 +46,7 @@ def _swiglu_terms(k, v, w12):
 
 def _accumulate(total, part):
     """total + part over the pieces of tokens, in fp32 at least (a half part is upcast once)."""
-    return part.to(torch.promote_types(part.dtype, torch.float32)) if total is None else total.add_(part)
+    return part.to(compute_dtype(part)) if total is None else total.add_(part)
 
 
 def _swiglu_core_backward(dy, q, k, v, w12, scale, lr, dq_out, dk_out, dv_out, pieces):
