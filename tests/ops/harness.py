@@ -12,6 +12,8 @@ projection of the output with respect to every such input.
 Under autocast the oracle is the same: `assert_autocast_no_worse(fast, reference, naive, inputs, dtype)` runs the
 fast path and the reference on float32 copies of the inputs under CPU autocast to `dtype`, and requires the fast
 path's errors against the naive form in float64 (output and every gradient) to be no worse than the reference's.
+Inputs that arrive in the autocast dtype in the model: `half_values` for the float64 leaves, `cast_inputs` for the
+functions compared.
 """
 import types
 
@@ -81,6 +83,18 @@ def autocast_errors(fn, naive, inputs, dtype, norm='max'):
             return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
         return ((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
     return [rel(out, out_ref)] + [rel(a, b) for a, b in zip(grads, g_ref)]
+
+
+def half_values(t, dtype):
+    """A float64 leaf of `t`'s values rounded to `dtype` (same requires_grad): inputs a layer receives in that dtype
+    under autocast, so that the float64 oracle and the half-precision run start from the same values."""
+    return t.detach().to(dtype).double().requires_grad_(t.requires_grad)
+
+
+def cast_inputs(fn, dtype, n=1):
+    """`fn` with its first `n` inputs cast to `dtype` first (as a layer's linears give them under autocast; the cast
+    is part of the graph, so the gradients reach the float32 leaves)."""
+    return lambda *a: fn(*(t.to(dtype) for t in a[:n]), *a[n:])
 
 
 def assert_autocast_no_worse(fast, reference, naive, inputs, dtype, slack=1.1, norm='max'):

@@ -16,7 +16,7 @@ from mmplugin_l2.models.ops import INFERENCE, TRAIN, Path
 from mmplugin_l2.models.ops.emsa import emsa_attention, emsa_attention_reference
 from mmplugin_l2.models.ops.memory import MemoryPolicy, set_memory_policy
 from mmplugin_l2.models.ops.emsa.naive import emsa_attention_naive
-from ops.harness import assert_autocast_no_worse, assert_matches_naive, record_calls
+from ops.harness import assert_autocast_no_worse, assert_matches_naive, cast_inputs, half_values, record_calls
 
 
 def _qkv(b, h, n, nk, d, dtype=torch.float64, q_std=1., k_std=1.):
@@ -124,27 +124,21 @@ def test_fast_paths_under_autocast(dtype, heads):
     torch.testing.assert_close(gq.float(), gq_ref, rtol=0, atol=8 * torch.finfo(dtype).eps * gq_ref.abs().max())
 
 
-def _half_inputs(op, dtype):
-    """`op` on q, k, v cast to `dtype` first (as the layer's linears give them under autocast)."""
-    return lambda q, k, v, *wb: op(q.to(dtype), k.to(dtype), v.to(dtype), *wb)
-
-
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
 def test_pieces_under_autocast_no_worse_than_reference(dtype):
     """With half q, k, v under autocast (as the layer's linears give them: values of that dtype), the pieces
     (inference and the train function: output and gradients) are as close to the naive form in float64 as the
     whole-map reference under the same autocast (the products G @ v in fp32, the output rounded once)."""
-    inputs = [t.detach().to(dtype).double().requires_grad_() if i < 3 else t
-              for i, t in enumerate(_inputs(3, n=255, nk=40))]
+    inputs = [half_values(t, dtype) if i < 3 else t for i, t in enumerate(_inputs(3, n=255, nk=40))]
     piece = 2 * 3 * 40 * 16
-    assert_autocast_no_worse(_half_inputs(_op(Path(TRAIN, piece)), dtype), _half_inputs(_op(Path.reference()), dtype),
-                             _naive, inputs, dtype, norm='l2')
+    assert_autocast_no_worse(cast_inputs(_op(Path(TRAIN, piece)), dtype, 3),
+                             cast_inputs(_op(Path.reference()), dtype, 3), _naive, inputs, dtype, norm='l2')
     ref64 = _naive(*inputs).detach()
     low = [t.detach().float() for t in inputs]
     errors = {}
     with torch.autocast('cpu', dtype=dtype), torch.no_grad():
         for name, path in (('pieces', Path(INFERENCE, piece)), ('reference', Path.reference())):
-            out = _half_inputs(_op(path), dtype)(*low)
+            out = cast_inputs(_op(path), dtype, 3)(*low)
             errors[name] = ((out.double() - ref64).abs().max() / ref64.abs().max()).item()
     assert errors['pieces'] <= 1.1 * errors['reference'], errors
 

@@ -15,7 +15,7 @@ from mmplugin_l2.models.ops import TRAIN, Path
 from mmplugin_l2.models.ops.mlp import (ConvMlpPiecesFunction, ConvMlpFunction, NormMlpFunction, conv_mlp,
                                         conv_mlp_inference, conv_mlp_reference, mlp_inference, mlp_reference)
 from mmplugin_l2.models.ops.mlp.naive import conv_mlp_naive, mlp_naive
-from ops.harness import assert_autocast_no_worse, assert_matches_naive, record_calls
+from ops.harness import assert_autocast_no_worse, assert_matches_naive, cast_inputs, half_values, record_calls
 
 C, R = 5, 11      # odd widths: channels and hidden channels
 
@@ -132,11 +132,11 @@ def test_norm_mlp_function_under_autocast_no_worse_than_the_reference(dtype, hal
     g = torch.Generator().manual_seed(1)
     ps = [(torch.randn(s, generator=g, dtype=torch.float64) * k).requires_grad_()
           for s, k in (((r, c), .3), ((r,), .1), ((c, r), .2), ((c,), .1), ((c,), 1.), ((c,), .1))]
-    x = (torch.randn(2, 97, c, generator=g, dtype=torch.float64) * 2)
-    x = (x.to(dtype).double() if half_x else x).requires_grad_()
-    cast = (lambda t: t.to(dtype)) if half_x else (lambda t: t)  # noqa: E731
-    fast = lambda x, w1, b1, w2, b2, lw, lb: NormMlpFunction.apply(cast(x), lw, lb, 1e-5, w1, b1, w2, b2)  # noqa: E731
-    ref = lambda x, *p: _mlp(mlp_reference)(cast(x), *p)  # noqa: E731
+    x = (torch.randn(2, 97, c, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    fast = lambda x, w1, b1, w2, b2, lw, lb: NormMlpFunction.apply(x, lw, lb, 1e-5, w1, b1, w2, b2)  # noqa: E731
+    ref = _mlp(mlp_reference)
+    if half_x:
+        x, fast, ref = half_values(x, dtype), cast_inputs(fast, dtype), cast_inputs(ref, dtype)
     e_fast, _ = assert_autocast_no_worse(fast, ref, _mlp(mlp_naive), [x] + ps, dtype, norm='l2')
     assert max(e_fast) < (5e-2 if dtype == torch.bfloat16 else 1e-2)
 

@@ -18,7 +18,8 @@ from mmplugin_l2.models.ops.ttt import (TTTCore, dwconv_inner_grad, dwconv_per_s
                                         tap_sums, ttt_attention, ttt_core, ttt_core_pieces)
 from mmplugin_l2.models.ops.ttt import naive
 from mmplugin_l2.models.ops.ttt.naive import ttt_core_naive
-from ops.harness import assert_autocast_no_worse, assert_matches, assert_matches_naive, record_calls
+from ops.harness import (assert_autocast_no_worse, assert_matches, assert_matches_naive, cast_inputs, half_values,
+                        record_calls)
 
 HW = (5, 7)          # odd height and width
 SCALE, LR = 1 / 3, 1.0
@@ -226,11 +227,6 @@ def test_fast_paths_under_autocast(monkeypatch, dtype):
     assert calls.names == ['inference', 'train'] and calls[-1][1][-1] is (dtype == torch.float16)   # closed_form
 
 
-def _half_qkv(fn, dtype):
-    """`fn` on qkv cast to `dtype` first (as the layer's qkv linear gives it under autocast)."""
-    return lambda qkv, *ws: fn(qkv.to(dtype), *ws)
-
-
 @pytest.mark.parametrize('seed', [0, 1, 2])
 @pytest.mark.parametrize('with_rope,tokens', [(True, None), (False, 7), (True, 7)])
 def test_train_function_under_fp16_autocast_no_worse_than_the_reference(with_rope, tokens, seed):
@@ -245,12 +241,12 @@ def test_train_function_under_fp16_autocast_no_worse_than_the_reference(with_rop
     rot32 = None if rot is None else rot.to(torch.complex64)
     piece = None if tokens is None else tokens * b * nh * d
     g = torch.Generator().manual_seed(seed)
-    inputs = [(torch.randn(b, HW[0] * HW[1], 3 * nh * d + 3 * d, generator=g, dtype=torch.float64)
-               .to(dtype).double().requires_grad_())]                       # qkv values of the half dtype
+    inputs = [half_values(torch.randn(b, HW[0] * HW[1], 3 * nh * d + 3 * d, generator=g, dtype=torch.float64)
+                          .requires_grad_(), dtype)]                        # qkv values of the half dtype
     inputs += [(torch.randn(*s, generator=g, dtype=torch.float64) * .3).requires_grad_()
                for s in ((1, nh, d, d), (1, nh, d, d), (d, 1, 3, 3))]
     fast = lambda qkv, w1, w2, w3: TTTCore.apply(qkv, rot32, w1, w2, w3, HW, nh, SCALE, LR, piece)  # noqa: E731
-    e_fast, _ = assert_autocast_no_worse(_half_qkv(fast, dtype), _half_qkv(_core(ttt_core, rot32, nh), dtype),
+    e_fast, _ = assert_autocast_no_worse(cast_inputs(fast, dtype), cast_inputs(_core(ttt_core, rot32, nh), dtype),
                                          _core(ttt_core_naive, rot, nh), inputs, dtype, norm='l2')
     assert max(e_fast) < 1e-2, e_fast
 
