@@ -98,6 +98,38 @@ def test_fast_paths_under_autocast(dtype, fp32_reduce):
     assert (dx.float() - dx_ref).norm() <= 8 * torch.finfo(dtype).eps * dx_ref.norm()
 
 
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_train_function_computes_in_fp32_and_keeps_half_inputs(dtype):
+    """`LinearAttentionCore` on half q, k, v (strided views of one qkv tensor, as the layer makes them) with
+    dtype=float32 = the function on their float32 casts, to the bit (output, the gradients of q, k, v cast to
+    the half dtype, the temperature's); what it keeps for backward that is as large as q is in the half dtype."""
+    b, n, h, d = 2, 45, 2, 8
+    qkv = (torch.randn(b, n, 3 * h * d) * 3).to(dtype).requires_grad_()
+    t = torch.rand(h, 1, 1).add_(0.5).requires_grad_()
+    g = torch.randn(b, h, n, d)
+
+    def run(cast):
+        q, k, v = (u.transpose(1, 2) for u in qkv.view(b, n, 3, h, d).unbind(2))
+        kept = []
+
+        def pack(x):
+            kept.append(x)
+            return x
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            if cast:
+                out = LinearAttentionCore.apply(q.float(), k.float(), v.float(), t, 10.)
+            else:
+                out = LinearAttentionCore.apply(q, k, v, t, 10., torch.float32)
+        return (out, *torch.autograd.grad(out, [qkv, t], g)), kept
+    ref, _ = run(cast=True)
+    ours, kept = run(cast=False)
+    assert ours[0].dtype == torch.float32 and ours[1].dtype == dtype
+    for a, r in zip(ours, ref):
+        assert torch.equal(a, r)
+    large = [x for x in kept if x.numel() >= b * h * n * d]
+    assert len(large) == 3 and all(x.dtype == dtype for x in large), [(x.dtype, x.shape) for x in large]
+
 # ---------------------------------------------------------------- the layer's dispatch
 def _recording(monkeypatch):
     return record_calls(monkeypatch, la_op, linear_attention_in_pieces='inference', LinearAttentionCore='train')

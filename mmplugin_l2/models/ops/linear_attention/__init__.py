@@ -3,6 +3,8 @@
 backward), `pieces` (inference in pieces of tokens). `linear_attention` runs the one the `Path` of
 `ops.dispatch.choose` names; `LINEAR_ATTENTION` (and `LINEAR_ATTENTION_HALF_SUMS` for a layer without
 `fp32_reduce`) is what the fast paths support."""
+import torch
+
 from ..dispatch import INFERENCE, TRAIN, Fast, Supports
 from .pieces import linear_attention_in_pieces
 from .reference import fp32_reduce_context, linear_attention_reference
@@ -48,10 +50,11 @@ def linear_attention(path, x, qkv, proj, temperature, num_heads, clamp_min=100.,
     # views of the qkv output: their gradients stack back into its layout in one copy
     q, k, v = (u.transpose(1, 2) for u in t.view(b, n, 3, num_heads, c // num_heads).unbind(2))
     fp32, reduce_ctx = fp32_reduce_context(t, fp32_reduce)
-    attend = LinearAttentionCore.apply if path.impl == TRAIN else linear_attention_reference
     with reduce_ctx:
-        if fp32:
-            out = attend(q.float(), k.float(), v.float(), temperature, clamp_min).to(t.dtype)
+        if path.impl == TRAIN:      # computes in fp32 from half q, k, v and keeps them half
+            out = LinearAttentionCore.apply(q, k, v, temperature, clamp_min, torch.float32 if fp32 else None)
+        elif fp32:
+            out = linear_attention_reference(q.float(), k.float(), v.float(), temperature, clamp_min)
         else:
-            out = attend(q, k, v, temperature, clamp_min)
-    return proj(out.transpose(1, 2).reshape(b, n, c))
+            out = linear_attention_reference(q, k, v, temperature, clamp_min)
+    return proj(out.to(t.dtype).transpose(1, 2).reshape(b, n, c))

@@ -18,26 +18,34 @@ class LinearAttentionCore(torch.autograd.Function):
 
     (the clamp passes the gradient where r >= clamp_min, as torch.clamp). Kept for backward: Q, K and v in
     the contiguous (B, heads, N, d) layout, KV and r (d x d and N x 1). Every batched product then reads its
-    operands in place."""
+    operands in place.
+
+    `dtype` (None: the inputs') is the dtype everything is computed in, the output's and the gradients' before
+    they are cast to the inputs' dtype: half q, k, v with `dtype=torch.float32` (the layer's `fp32_reduce`
+    under autocast) compute as q.float(), k.float(), v.float() would, to the bit, and keep Q, K, v for
+    backward in their half dtype (cast again there, exactly), half the bytes of fp32 copies."""
 
     @staticmethod
-    def forward(ctx, q, k, v, temperature, clamp_min):
+    def forward(ctx, q, k, v, temperature, clamp_min, dtype=None):
         # Q, K and v in the contiguous head layout, written once: q, k, v are strided views of the qkv output,
         # and torch.matmul would copy each strided operand before every batched product. The qkv output
-        # itself is then not kept.
+        # itself is then not kept. The ReLU commutes with the cast to `dtype`: Q, K are kept in the inputs' dtype.
         qr = torch.clamp_min(q, 0, out=q.new_empty(q.shape))
         kr = torch.clamp_min(k, 0, out=k.new_empty(k.shape))
         v = v.contiguous()
+        ctx.clamp_min, ctx.dtype = clamp_min, dtype or q.dtype
+        kept = qr, kr, v
+        qr, kr, v = (u.to(ctx.dtype) for u in kept)
         r = qr @ kr.sum(dim=-2).unsqueeze(-1)
         kv = kr.transpose(-2, -1) @ v
         out = (qr @ (kv * temperature)).div_(torch.clamp(r, min=clamp_min))
-        ctx.clamp_min = clamp_min
-        ctx.save_for_backward(qr, kr, v, temperature, kv, r)
+        ctx.save_for_backward(*kept, temperature, kv, r)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, t, kv, r = ctx.saved_tensors           # q, k: Q, K (after the ReLU), contiguous like v
+        *kept, t, kv, r = ctx.saved_tensors
+        q, k, v = (u.to(ctx.dtype) for u in kept)      # q, k: Q, K (after the ReLU), contiguous like v
         with autocast_off(grad.device.type):
             kvt = kv * t
             den = torch.clamp(r, min=ctx.clamp_min)
@@ -53,4 +61,6 @@ class LinearAttentionCore(torch.autograd.Function):
             dk = (v @ dkv.transpose(-2, -1)).add_((q.transpose(-2, -1) @ g).transpose(-2, -1))
             dv = k @ dkv
         # ReLU's backward (q, k are its outputs: the gradient passes where they are > 0)
-        return threshold_backward(dq, q, 0), threshold_backward(dk, k, 0), dv, dt, None
+        dq, dk = threshold_backward(dq, q, 0), threshold_backward(dk, k, 0)
+        in_dtype = kept[0].dtype
+        return dq.to(in_dtype), dk.to(in_dtype), dv.to(in_dtype), dt, None, None
