@@ -9,11 +9,11 @@ import torch.nn as nn
 
 import mmplugin_l2.models.ops.window_attention as wa_op
 from mmplugin_l2.models.layers import WindowAttention
-from mmplugin_l2.models.ops import INFERENCE, Path
+from mmplugin_l2.models.ops import INFERENCE, TRAIN, Path
 from mmplugin_l2.models.ops.memory import MemoryPolicy, set_memory_policy
 from mmplugin_l2.models.ops.window_attention import padding_key_mask, window_attention, window_partition, window_reverse
 from mmplugin_l2.models.ops.window_attention.naive import window_attention_naive, window_msa_naive
-from ops.harness import assert_matches_naive, record_calls
+from ops.harness import assert_autocast_no_worse, assert_matches_naive, record_calls
 
 
 def _naive(m, hw, mask):
@@ -76,9 +76,86 @@ def test_inference_pieces_under_autocast(dtype, mask_padding):
     torch.testing.assert_close(low.float(), ref, rtol=0, atol=8 * torch.finfo(dtype).eps * ref.abs().max().item())
 
 
+
+@pytest.mark.parametrize('mask_padding', [False, True])
+@pytest.mark.parametrize('hw', [(9, 10), (8, 8)])
+def test_train_path_matches_naive(mask_padding, hw):
+    """The train path (the reference with the attention kernel in the tokens' dtype or float32: float64 here) =
+    the naive form: values and gradients."""
+    m = _attn(mask_padding)
+    x = torch.randn(2, hw[0] * hw[1], 16, dtype=torch.float64, requires_grad=True)
+    mask = _mask(m, hw, 2)
+    assert_matches_naive(lambda x: window_attention(Path(TRAIN), x, hw, 4, m.attention, mask), _naive(m, hw, mask), [x])
+
+
+class _Functional(nn.Module):
+    """`fn(layer, x)` with the layer's parameters passed in (`torch.func.functional_call`), so that the harness
+    compares the gradients of the parameters too."""
+
+    def __init__(self, layer, fn):
+        super().__init__()
+        self.layer, self.fn = layer, fn
+
+    def forward(self, x):
+        return self.fn(self.layer, x)
+
+    def of(self, *params):
+        names = [f'layer.{n}' for n, _ in self.layer.named_parameters()]
+        return lambda x, *ps: torch.func.functional_call(self, dict(zip(names, ps)), (x,))
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('mask_padding', [False, True])
+@pytest.mark.parametrize('seed', [0, 1, 2])
+def test_train_path_under_autocast_no_worse_than_the_reference(dtype, mask_padding, seed):
+    """Under bf16 / fp16 autocast the train path (the attention kernel in fp32 on the half q, k, v) against the
+    naive form in float64, output and the gradients of the tokens and of every parameter, is no worse than the
+    reference (the kernel in the autocast dtype)."""
+    torch.manual_seed(seed)
+    hw = (9, 10)
+    m = _attn(mask_padding, c=32, heads=2, ws=3)
+    mask = _mask(m, hw, 2)
+    x = torch.randn(2, hw[0] * hw[1], 32, dtype=torch.float64, requires_grad=True)
+    params = [p.detach().clone().requires_grad_() for p in m.parameters()]
+    fast = _Functional(m, lambda layer, t: window_attention(Path(TRAIN), t, hw, 3, layer.attention, mask)).of()
+    ref = _Functional(m, lambda layer, t: window_attention(Path.reference(), t, hw, 3, layer.attention, mask)).of()
+    naive = _Functional(m, lambda layer, t: _naive(layer, hw, mask)(t)).of()
+    assert_autocast_no_worse(fast, ref, naive, [x] + params, dtype, norm='l2')
+
 # ---------------------------------------------------------------- the layer's dispatch
 def _recording(monkeypatch):
     return record_calls(monkeypatch, wa_op, window_attention_in_pieces='inference')
+
+
+def _kernel_dtypes(monkeypatch):
+    """The dtype of q of every `F.scaled_dot_product_attention` call, in order."""
+    dtypes, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, 'scaled_dot_product_attention',
+                        lambda q, *a, **k: dtypes.append(q.dtype) or sdpa(q, *a, **k))
+    return dtypes
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_training_under_autocast_takes_the_fp32_kernel_on_cpu(monkeypatch, dtype):
+    """Training under autocast on CPU takes the train path: the kernel gets float32 q, k, v, and its output
+    reaches the projection in the autocast dtype. Inference, `fast_train=False` and float32 training run the kernel
+    in the dtype they compute in."""
+    calls = _recording(monkeypatch)
+    dtypes = _kernel_dtypes(monkeypatch)
+    m = _attn().float()
+    x = torch.randn(2, 9 * 10, 16, requires_grad=True)
+    with torch.autocast('cpu', dtype=dtype):
+        out = m.train()(x, (9, 10))
+        assert out.dtype == dtype
+        out.float().sum().backward()
+        m.fast_train = False
+        m(x, (9, 10))
+        m.fast_train = True
+        with torch.no_grad():
+            m.eval()(x, (9, 10))
+    m.train()(x, (9, 10))
+    assert dtypes == [torch.float32, dtype, dtype, torch.float32]
+    assert calls.names == [] and x.grad.abs().sum() > 0
 
 
 def test_eval_with_grad_and_training_take_the_reference(monkeypatch):

@@ -20,7 +20,8 @@ softmax).
   probability matrix is never stored. It equals the explicit softmax(q k^T * scale) v to float rounding.
   Above `MAX_SDPA_BATCH_HEADS` (windows of all images) x heads, CUDA's launch limit, the windows go through
   it in consecutive slices (`ops.window_attention.sdpa_in_slices`; L2ViT-T at 2048x2048, batch 8: 43808
-  windows x 3 heads in stage 1).
+  windows x 3 heads in stage 1). Training on CPU in bf16 / fp16 runs the kernel in fp32 on the half q, k, v
+  (`ops.window_attention.WINDOW_ATTENTION`).
 
 The windowing is the op `ops.window_attention` (the whole map, or pieces of window rows at inference),
 chosen once per forward by `ops.dispatch.choose`.
@@ -54,6 +55,9 @@ class WindowAttention(nn.Module):
 
     #: pieces of padded tokens x channels (the batch included) at inference: pieces of window rows
     memory_policy = DEFAULT_POLICY
+    #: the train path (`ops.window_attention.WINDOW_ATTENTION`): on CPU in bf16 / fp16 the attention kernel in
+    #: fp32; False: the reference in the dtype autocast gives
+    fast_train = True
 
     def __init__(self, dim, num_heads, window_size=7, qkv_bias=True, mask_padding=False):
         super().__init__()
@@ -67,14 +71,14 @@ class WindowAttention(nn.Module):
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
 
-    def attention(self, x, key_mask=None):
+    def attention(self, x, key_mask=None, dtype=None):
         """MHSA over the tokens of each window: x (B', n, C) -> (B', n, C). `key_mask` (B', n) bool, True =
-        ignore that key."""
+        ignore that key. `dtype`: the dtype of the attention kernel (`sdpa_in_slices`; None: q's)."""
         bw, n, c = x.shape
         # q, k, v as views of the qkv output: their gradients stack back into its layout in one copy
         q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(bw, n, 3, self.num_heads, -1).unbind(2))
         keep = None if key_mask is None else ~key_mask[:, None, None, :]   # SDPA: True = attend
-        out = sdpa_in_slices(q, k, v, attn_mask=keep, scale=self.scale)
+        out = sdpa_in_slices(q, k, v, attn_mask=keep, scale=self.scale, dtype=dtype)
         return self.proj(out.transpose(1, 2).reshape(bw, n, c))
 
     def forward(self, x, hw_shape, norm=None):

@@ -7,6 +7,7 @@ attention (every window holds at least one real token: the padding is less than 
 import torch
 import torch.nn.functional as F
 
+from ..dtypes import autocast_off
 from ..split import piece_length, split
 from ..tokens import padding_to_multiple
 from ..export import exporting
@@ -28,7 +29,7 @@ def sdpa_batch_slices(batch, heads):
     return [p.own for p in split(batch, MAX_SDPA_BATCH_HEADS, unit=heads)]
 
 
-def sdpa_in_slices(q, k, v, attn_mask=None, scale=None):
+def sdpa_in_slices(q, k, v, attn_mask=None, scale=None, dtype=None):
     """F.scaled_dot_product_attention(q, k, v, attn_mask, scale=scale) for q, k, v (B', heads, n, d), in
     consecutive slices of the batch (`sdpa_batch_slices`) when one call would exceed CUDA's launch limits.
 
@@ -38,10 +39,16 @@ def sdpa_in_slices(q, k, v, attn_mask=None, scale=None):
         v (Tensor): values (B', heads, n, d).
         attn_mask (Tensor | None): bool (B', 1, 1, n) or (B', 1, n, n), True = attend. Default: None.
         scale (float | None): the logits' scale. Default: None (d^-0.5).
+        dtype (torch.dtype | None): the dtype the kernel computes in, autocast off: q, k, v cast to it and the
+            output cast back to q's dtype, rounded once (None: q's dtype, as autocast gives it). Default: None.
 
     Returns:
         Tensor: (B', heads, n, d); the slices' outputs concatenated, the same values as one call.
     """
+    if dtype is not None and dtype != q.dtype:
+        with autocast_off(q.device.type):
+            out = sdpa_in_slices(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask, scale)
+        return out.to(q.dtype)
     slices = sdpa_batch_slices(q.shape[0], q.shape[1])
     if len(slices) == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
