@@ -51,7 +51,7 @@ def linear_attention(path, x, qkv, proj, temperature, num_heads, clamp_min=100.,
     q, k, v = (u.transpose(1, 2) for u in t.view(b, n, 3, num_heads, c // num_heads).unbind(2))
     fp32, reduce_ctx = fp32_reduce_context(t, fp32_reduce)
     with reduce_ctx:
-        if path.impl == TRAIN:      # computes in fp32 from half q, k, v and keeps them half
+        if path.impl == TRAIN:      # with fp32: computes in fp32 from half q, k, v and keeps them half
             out = LinearAttentionCore.apply(q, k, v, temperature, clamp_min, torch.float32 if fp32 else None)
         elif fp32:
             out = linear_attention_reference(q.float(), k.float(), v.float(), temperature, clamp_min)
