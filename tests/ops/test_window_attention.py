@@ -99,7 +99,7 @@ class _Functional(nn.Module):
     def forward(self, x):
         return self.fn(self.layer, x)
 
-    def of(self, *params):
+    def of(self):
         names = [f'layer.{n}' for n, _ in self.layer.named_parameters()]
         return lambda x, *ps: torch.func.functional_call(self, dict(zip(names, ps)), (x,))
 
@@ -122,17 +122,10 @@ def test_train_path_under_autocast_no_worse_than_the_reference(dtype, mask_paddi
     naive = _Functional(m, lambda layer, t: _naive(layer, hw, mask)(t)).of()
     assert_autocast_no_worse(fast, ref, naive, [x] + params, dtype, norm='l2')
 
+
 # ---------------------------------------------------------------- the layer's dispatch
 def _recording(monkeypatch):
     return record_calls(monkeypatch, wa_op, window_attention_in_pieces='inference')
-
-
-def _kernel_dtypes(monkeypatch):
-    """The dtype of q of every `F.scaled_dot_product_attention` call, in order."""
-    dtypes, sdpa = [], torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(torch.nn.functional, 'scaled_dot_product_attention',
-                        lambda q, *a, **k: dtypes.append(q.dtype) or sdpa(q, *a, **k))
-    return dtypes
 
 
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
@@ -141,7 +134,7 @@ def test_training_under_autocast_takes_the_fp32_kernel_on_cpu(monkeypatch, dtype
     reaches the projection in the autocast dtype. Inference, `fast_train=False` and float32 training run the kernel
     in the dtype they compute in."""
     calls = _recording(monkeypatch)
-    dtypes = _kernel_dtypes(monkeypatch)
+    kernel = record_calls(monkeypatch, torch.nn.functional, scaled_dot_product_attention='sdpa')
     m = _attn().float()
     x = torch.randn(2, 9 * 10, 16, requires_grad=True)
     with torch.autocast('cpu', dtype=dtype):
@@ -154,7 +147,7 @@ def test_training_under_autocast_takes_the_fp32_kernel_on_cpu(monkeypatch, dtype
         with torch.no_grad():
             m.eval()(x, (9, 10))
     m.train()(x, (9, 10))
-    assert dtypes == [torch.float32, dtype, dtype, torch.float32]
+    assert [q.dtype for _, (q, *_) in kernel] == [torch.float32, dtype, dtype, torch.float32]
     assert calls.names == [] and x.grad.abs().sum() > 0
 
 
