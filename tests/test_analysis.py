@@ -322,10 +322,10 @@ def test_render_keeps_precisions_apart():
             dict(_sample('vit3_t', 'infer', (224, 224), 0, 7., 60), precision='fp16')]
     base = dict(format=bm.FORMAT, env=dict(device='cpu', torch='t'), config=dict(rounds=3))
     summ = bm.summarize(fp32 + half)
-    assert summ[('vit3_t', 'infer', '224x224', 1, 'fp32')]['latency_ms'] == (11., 10., 12.)
-    assert summ[('vit3_t', 'infer', '224x224', 1, 'bf16')]['latency_ms'] == (4., 4., 4.)
-    assert summ[('vit3_t', 'infer', '224x224', 1, 'fp16')]['latency_ms'] == (7., 7., 7.)
-    assert summ[('vit3_t', 'train', '224x224', 1, 'fp32')]['rounds'] == 3
+    assert summ[('vit3_t', 'infer', '224x224', 1, 'fp32', 'glibc')]['latency_ms'] == (11., 10., 12.)
+    assert summ[('vit3_t', 'infer', '224x224', 1, 'bf16', 'glibc')]['latency_ms'] == (4., 4., 4.)
+    assert summ[('vit3_t', 'infer', '224x224', 1, 'fp16', 'glibc')]['latency_ms'] == (7., 7., 7.)
+    assert summ[('vit3_t', 'train', '224x224', 1, 'fp32', 'glibc')]['rounds'] == 3
     old = bm.render(dict(base, samples=fp32))
     assert '### Inference' in old and '### fp32' not in old and 'autocast' not in old
     md = bm.render(dict(base, samples=fp32 + half))
@@ -345,6 +345,108 @@ def test_render_keeps_precisions_apart():
     assert bm.plot_title(dict(base, samples=half)).endswith(' - bf16 autocast')
 
 
+
+def test_render_keeps_allocators_apart():
+    """Samples of another allocator never pool with glibc's: `summarize` keys them apart (no `allocator`: glibc),
+    `render` heads one set of tables per (precision, allocator), glibc's under the precision's own heading."""
+    from mmplugin_l2.analysis import benchmark as bm
+    glibc = [_sample('hvit3_t', 'train', (64, 64), r, 100. + r, 50) for r in range(3)]
+    glibc += [_sample('swin_t', 'train', (64, 64), r, 50., 40) for r in range(3)]
+    caching = [dict(_sample('hvit3_t', 'train', (64, 64), r, 80., 60), allocator='caching') for r in range(3)]
+    caching += [dict(_sample('swin_t', 'train', (64, 64), r, 20., 45), allocator='caching') for r in range(3)]
+    summ = bm.summarize(glibc + caching)
+    assert summ[('hvit3_t', 'train', '64x64', 1, 'fp32', 'glibc')]['step_ms'] == (101., 100., 102.)
+    assert summ[('hvit3_t', 'train', '64x64', 1, 'fp32', 'caching')]['step_ms'] == (80., 80., 80.)
+    assert bm.variants_of(caching + glibc) == [('fp32', 'glibc'), ('fp32', 'caching')]
+    base = dict(format=bm.FORMAT, env=dict(device='cpu', torch='t'), config=dict(rounds=3))
+    md = bm.render(dict(base, samples=glibc + caching))
+    assert md.index('### fp32\n') < md.index('### fp32, caching allocator\n')
+    glibc_part, caching_part = md.split('### fp32, caching allocator\n')
+    assert '| H-ViT3-T vs Swin-T (mmdet) | 1 | 64×64 | – | 0.50×' in glibc_part
+    assert '| H-ViT3-T vs Swin-T (mmdet) | 1 | 64×64 | – | 0.25×' in caching_part
+    assert 'Precision of every sample: fp32; allocator: caching.' in bm.render(dict(base, samples=caching))
+
+
+def test_allocator_environments(tmp_path):
+    """`allocator_env`: glibc's tunables for `caching` and `live`, a preloaded library for jemalloc / tcmalloc
+    where one is found (else a one-line error naming the package), an unknown name refused; `check_allocator`
+    refuses a process whose environment does not match, so a sample cannot claim an allocator it did not run
+    under."""
+    from mmplugin_l2.analysis import benchmark as bm
+    from mmplugin_l2.analysis import measure
+    assert measure.allocator_env('glibc', {'A': '1'}) == {'A': '1'}
+    caching = measure.allocator_env('caching', {})
+    assert caching['MALLOC_MMAP_MAX_'] == '0' and int(caching['MALLOC_TRIM_THRESHOLD_']) >= 2**32
+    assert measure.allocator_env('live', {})['MALLOC_MMAP_THRESHOLD_'] == '65536'
+    lib = tmp_path / 'libjemalloc.so.2'
+    lib.write_bytes(b'')
+    env = measure.allocator_env('jemalloc', {'LD_PRELOAD': 'other.so'}, dirs=(str(tmp_path),))
+    assert env['LD_PRELOAD'] == f'{lib} other.so'
+    with pytest.raises(ValueError, match='libtcmalloc.*not found.*libtcmalloc-minimal4'):
+        measure.allocator_env('tcmalloc', {}, dirs=(str(tmp_path / 'none'),))
+    with pytest.raises(ValueError, match="allocator 'mimalloc'; allowed: glibc, caching, live"):
+        measure.allocator_env('mimalloc')
+    bm.check_allocator('caching', caching)
+    bm.check_allocator('jemalloc', env)
+    bm.check_allocator('glibc', {})
+    for name, wrong in (('caching', {}), ('glibc', caching), ('jemalloc', {})):
+        with pytest.raises(RuntimeError, match=f"allocator '{name}'"):
+            bm.check_allocator(name, wrong)
+
+
+def test_run_under_the_caching_allocator_records_it(tmp_path):
+    """`run --allocator glibc caching` (one model, 32x32, one training step after the default warm-up): each
+    fresh process runs under its allocator (the measurement checks its environment), each sample says which, the
+    default warm-up is the steady state's 2 steps."""
+    out = tmp_path / 'a.json'
+    r = subprocess.run([sys.executable, f'{ROOT}/tools/analysis/benchmark.py', 'run', '--models', 'vit3_t',
+                        '--sizes', '32', '--kinds', 'train', '--allocator', 'glibc', 'caching', '--rounds', '1',
+                        '--iters', '1', '--smoke', '--out', str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res['config']['allocators'] == ['glibc', 'caching'] and res['config']['warmup'] == 2
+    assert [s.get('allocator') for s in res['samples']] == [None, 'caching']
+    assert all('error' not in s and len(s['steps']) == 1 for s in res['samples']), res['samples']
+    from mmplugin_l2.analysis import benchmark as bm
+    spec = dict(model='vit3_t', kind='train', size=[32, 32], batch=1, warmup=0, iters=1, device='cpu')
+    with pytest.raises(RuntimeError, match="allocator 'caching'"):
+        bm.measure(dict(spec, allocator='caching'))     # in this process, which runs under glibc's default
+
+
+def test_detector_iteration_under_bf16(tmp_path):
+    """A whole detector's training iteration (`mask_rcnn_hvit3_t`, our config, 128x160, batch 1): under bf16
+    autocast mmcv's RoIAlign has no bf16 kernel, so the iteration stops at the first RoI unless
+    `mmcv_ops_in_fp32` runs it in fp32; with it the loss is finite, every trainable parameter that took part
+    gets a gradient, and the benchmark measures it (its `train` kind), the RoI features in bf16."""
+    import torch
+    from mmplugin_l2.analysis import benchmark as bm
+    from mmplugin_l2.analysis.measure import model_loss, precision
+    from mmplugin_l2.analysis.models import build_detector, is_detector, mmcv_ops_in_fp32
+    assert is_detector('mask_rcnn_hvit3_t') and is_detector('mask_rcnn_hvit3_t@authors')
+    assert not is_detector('hvit3_t') and not is_detector('hvit3_t@authors')
+    model, data = build_detector('mask_rcnn_hvit3_t', (128, 160), 1)
+    assert model.backbone.with_cp and type(model).__name__ == 'MaskRCNN'
+    model.train()
+    with pytest.raises((RuntimeError, NotImplementedError), match='BFloat16'):
+        with precision('bf16', 'cpu'):
+            model_loss(model, data)
+    seen = []
+    hook = model.roi_head.bbox_roi_extractor.register_forward_hook(lambda m, a, o: seen.append(o.dtype))
+    with mmcv_ops_in_fp32(), precision('bf16', 'cpu'):
+        loss = model_loss(model, data)
+    hook.remove()
+    loss.backward()
+    assert torch.isfinite(loss) and seen == [torch.bfloat16]
+    assert all(p.grad is not None for p in model.backbone.parameters() if p.requires_grad)
+    import mmcv.ops.roi_align  # noqa: F401
+    assert sys.modules['mmcv.ops.roi_align'].RoIAlign.forward.__qualname__ == 'RoIAlign.forward'   # restored
+    s = bm.measure(dict(model='mask_rcnn_hvit3_t', kind='train', size=[128, 160], batch=1, warmup=0, iters=1,
+                        device='cpu', precision='bf16'))
+    assert s['step_ms'] > 0 and s['precision'] == 'bf16' and len(s['steps']) == 1
+    with pytest.raises(ValueError, match='only its training iteration'):
+        bm.measure(dict(s, kind='infer', size=[128, 160], warmup=0, iters=1, device='cpu'))
+
 def test_committed_results_keep_fp32_and_bf16_apart():
     """docs/benchmark_results.json: the runs written before precisions existed (no `precision` in their samples)
     count as fp32, the bf16 runs as bf16; the plot shows fp32."""
@@ -358,6 +460,7 @@ def test_committed_results_keep_fp32_and_bf16_apart():
     keys = set(bm.summarize(res['samples']))
     assert keys == set(bm.summarize(old)) | set(bm.summarize(bf16))
     assert {k[4] for k in bm.summarize(old)} == {'fp32'} and {k[4] for k in bm.summarize(bf16)} == {'bf16'}
+    assert {k[5] for k in keys} <= {'glibc', 'caching'}
 
 
 def test_run_with_two_precisions_measures_and_renders_each(tmp_path):

@@ -188,8 +188,8 @@ def load_module(family, root):
     return mod
 
 
-def _vittt(variant, root):
-    return getattr(load_module('ViTTT', root), variant)(drop_path_rate=0.)
+def _vittt(variant, root, **kwargs):
+    return getattr(load_module('ViTTT', root), variant)(drop_path_rate=0., **kwargs)
 
 
 def _l2vit(depths, dims, num_heads, root):
@@ -208,6 +208,8 @@ def _rest(embed_dims, depths, root):
 #: benchmark model name (mmplugin_l2.analysis.models.MODELS) -> (family, builder(root))
 AUTHORS = {
     'hvit3_t': ('ViTTT', partial(_vittt, 'vittt_tiny')),
+    # their detection recipe: blocks recomputed in backward
+    'hvit3_t_cp': ('ViTTT', partial(_vittt, 'vittt_tiny', use_checkpoint=True)),
     'hvit3_s': ('ViTTT', partial(_vittt, 'vittt_small')),
     'hvit3_b': ('ViTTT', partial(_vittt, 'vittt_base')),
     'l2vit_t': ('L2ViT', partial(_l2vit, [2, 2, 6, 2], [96, 192, 384, 768], [3, 6, 12, 24])),

@@ -8,14 +8,20 @@ Kinds:
   (images/s), peak_mem_mb of the forwards.
 * `train`: `warmup` + `iters` training iterations (forward, backward of the summed output means, AdamW step;
   mmplugin_l2/analysis/measure.py `train_steps`); step_ms (median), forward/backward/optimizer ms, peak_mem_mb.
+  For a whole detector (`models.DETECTORS`, e.g. `mask_rcnn_hvit3_t`) one iteration is its config's model on a
+  preprocessed batch of random images, boxes and masks: forward with its losses, backward of their sum, AdamW
+  step (data loading excluded; mmcv's RoIAlign and NMS in fp32 under autocast, `models.mmcv_ops_in_fp32`).
 * `maxbatch`: the largest inference batch whose peak memory fits `budget_mb` (`largest_batch`, every probe in
   its own process), then an `infer` measurement at that batch; batch is the batch found.
 Timing and peak memory are mmplugin_l2/analysis/measure.py's: CUDA torch.cuda.max_memory_allocated() above
 what the model and input held before; CPU the fresh process's peak resident set above its resident set before
 the first iteration. A sample's `precision` (absent: fp32 with TF32 off; 'tf32', 'bf16' or 'fp16' autocast) is
-measure.py's; samples of different precisions are never pooled: `summarize` keys them apart and `render` makes one
-set of tables (ratios and crossover included) per precision.
+measure.py's, and so is its `allocator` (absent: glibc's default; `caching`, `live`, `jemalloc`, `tcmalloc`: the
+environment its fresh process ran in, measure.ALLOCATORS); samples of different precisions or allocators are never
+pooled: `summarize` keys them apart and `render` makes one set of tables (ratios and crossover included) per
+precision and allocator.
 """
+import contextlib
 import json
 import math
 import os
@@ -26,8 +32,9 @@ import time
 
 import torch
 
-from .measure import PRECISIONS, emit, failure_line, measure_infer, run_fresh, train_steps
-from .models import AUTHORS_TAG, MODELS, build, check_name, label  # noqa: F401  (the tools use them from here)
+from .measure import ALLOCATORS, PRECISIONS, allocator_env, emit, failure_line, measure_infer, run_fresh, train_steps
+from .models import (AUTHORS_TAG, DETECTORS, MODELS, build, build_detector, check_name,  # noqa: F401 (the tools')
+                     is_detector, label, mmcv_ops_in_fp32)
 
 FORMAT = 'mmplugin_l2-benchmark/1'
 KINDS = ('infer', 'train', 'maxbatch')
@@ -44,7 +51,8 @@ SUITES = {
 #: (ours, theirs) pairs of the ratio tables and the plot
 PAIRS = [('vit3_t', 'deit_t'), ('vit3_t', 'deit_t_plain'), ('hvit3_t', 'swin_t'), ('l2vit_t', 'swin_t'),
          ('rest_s', 'swin_t'), ('vit3_t', 'deit_t_timm'), ('hvit3_t', 'swin_t_timm'), ('l2vit_t', 'swin_t_timm'),
-         ('rest_s', 'swin_t_timm')] + [(m, m + AUTHORS_TAG) for m in ('hvit3_t', 'l2vit_t', 'rest_s')]
+         ('rest_s', 'swin_t_timm')] + [(m, m + AUTHORS_TAG) for m in ('hvit3_t', 'l2vit_t', 'rest_s')] + [
+    ('hvit3_t_cp', 'swin_t'), ('hvit3_t_cp', 'hvit3_t_cp@authors'), ('hvit3_t', 'hvit3_t_cp@authors')]
 BEGIN, END = '<!-- generated:begin -->', '<!-- generated:end -->'
 #: how the tables head each precision (measure.PRECISIONS)
 PRECISION_TITLES = {'fp32': 'fp32', 'tf32': 'TF32', 'bf16': 'bf16 autocast', 'fp16': 'fp16 autocast'}
@@ -111,6 +119,26 @@ def sample_precision(s):
     return s.get('precision') or 'fp32'
 
 
+def sample_allocator(s):
+    """A sample's (or spec's) allocator: its `allocator`, 'glibc' when it has none."""
+    return s.get('allocator') or 'glibc'
+
+
+def check_allocator(name, env=None):
+    """Raise RuntimeError unless this process runs under the allocator `name` (its environment has what
+    measure.allocator_env sets), so that a sample never records an allocator it did not run under."""
+    env = os.environ if env is None else env
+    want = ALLOCATORS[name]
+    if isinstance(want, tuple):
+        ok = any(lib in env.get('LD_PRELOAD', '') for lib in want)
+    else:
+        ok = all(env.get(k) == v for k, v in want.items()) and (
+            name != 'glibc' or not any(k.startswith('MALLOC_') for k in env))
+    if not ok:
+        raise RuntimeError(f'this process does not run under the allocator {name!r} (its environment lacks what '
+                           f'measure.allocator_env sets): measure it through run_subprocess')
+
+
 def measure(spec):
     """One measurement in this process (mmplugin_l2/analysis/measure.py); a JSON-able sample.
 
@@ -118,26 +146,39 @@ def measure(spec):
         spec (dict): model (str), kind ('infer' | 'train'), size ([H, W]), batch (int), warmup (int),
             iters (int), device (str), authors_roots ({family: path}, optional), round (int, optional),
             precision ('fp32' (TF32 off, the default) | 'tf32' | 'bf16', optional; recorded when not fp32),
+            allocator (measure.ALLOCATORS, optional: the one this process was started under, checked; recorded
+            when not glibc),
             tiny (bool, optional: narrow widths, a smoke test), cfg (dict, optional: overrides of the
             backbone's arguments, recorded in the sample).
     """
+    if spec['device'] == 'cpu':
+        check_allocator(sample_allocator(spec))
     torch.manual_seed(0)
     dev = torch.device(spec['device'])
     size, batch, prec = tuple(spec['size']), spec['batch'], spec.get('precision', 'fp32')
-    model = build(spec['model'], spec.get('cfg'), size=size, authors_roots=spec.get('authors_roots'),
-                  tiny=spec.get('tiny', False)).to(dev)
-    x = torch.randn(batch, 3, *size, device=dev)
+    if is_detector(spec['model']):
+        if spec['kind'] != 'train':
+            raise ValueError(f'{spec["model"]} is a whole detector: only its training iteration is measured '
+                             f'(kind train), not {spec["kind"]!r}')
+        model, x = build_detector(spec['model'], size, batch, spec.get('authors_roots'), dev)
+    else:
+        model = build(spec['model'], spec.get('cfg'), size=size, authors_roots=spec.get('authors_roots'),
+                      tiny=spec.get('tiny', False)).to(dev)
+        x = torch.randn(batch, 3, *size, device=dev)
     s = dict(model=spec['model'], kind=spec['kind'], size=list(size), batch=batch, round=spec.get('round', 0),
              params=sum(p.numel() for p in model.parameters()))
     if prec != 'fp32':
         s['precision'] = prec
+    if sample_allocator(spec) != 'glibc':
+        s['allocator'] = spec['allocator']
     if spec.get('cfg'):
         s['cfg'] = spec['cfg']
     if spec['kind'] == 'infer':
         med, times, mem = measure_infer(model, x, spec['warmup'], spec['iters'], prec)
         s.update(latency_ms=med, times_ms=times, throughput=batch / med * 1e3, peak_mem_mb=mem)
     elif spec['kind'] == 'train':
-        steps, mem = train_steps(model, x, spec['warmup'], spec['iters'], prec=prec)
+        with mmcv_ops_in_fp32() if is_detector(spec['model']) else contextlib.nullcontext():
+            steps, mem = train_steps(model, x, spec['warmup'], spec['iters'], prec=prec, device=dev)
         s.update({k: statistics.median(st[k] for st in steps) for k in steps[0]})
         s.update(step_ms=s.pop('total_ms'), steps=steps, peak_mem_mb=mem)
     else:
@@ -146,13 +187,21 @@ def measure(spec):
 
 
 def run_subprocess(spec, timeout=None, python=sys.executable):
-    """`measure(spec)` in a fresh Python process; the sample, or the spec's fields with `error` (one line: an
-    exception, a kill by the OS, a timeout)."""
+    """`measure(spec)` in a fresh Python process, under the spec's allocator (measure.allocator_env); the sample,
+    or the spec's fields with `error` (one line: an exception, a kill by the OS, a timeout)."""
     base = {k: spec[k] for k in ('model', 'kind', 'size', 'batch')}
     base['round'] = spec.get('round', 0)
     if sample_precision(spec) != 'fp32':
         base['precision'] = spec['precision']
-    samples, failure = run_fresh(['-m', 'mmplugin_l2.analysis.benchmark', json.dumps(spec)], timeout, python)
+    if sample_allocator(spec) != 'glibc':
+        base['allocator'] = spec['allocator']
+    try:
+        env = allocator_env(sample_allocator(spec))
+    except ValueError as e:
+        return dict(base, error=str(e))
+    if sample_allocator(spec) == 'glibc':
+        env = {k: v for k, v in env.items() if not k.startswith('MALLOC_')}
+    samples, failure = run_fresh(['-m', 'mmplugin_l2.analysis.benchmark', json.dumps(spec)], timeout, python, env)
     if samples:
         return samples[-1]
     return dict(base, error=failure_line(failure or 'no sample printed'))
@@ -191,10 +240,11 @@ def largest_batch(peak_mb, budget_mb, max_batch=1024):
     return lo, probes
 
 
-def schedule(models, sizes, batches, kinds, rounds, precisions=('fp32',)):
-    """Measurement specs in run order: per round, per (kind, size, batch, precision), every model once; the
-    models' order rotates by one each round, so no model always runs first (or right after the same one). A spec
-    names its precision when it is not 'fp32' (measure.PRECISIONS)."""
+def schedule(models, sizes, batches, kinds, rounds, precisions=('fp32',), allocators=('glibc',)):
+    """Measurement specs in run order: per round, per (kind, size, batch, precision, allocator), every model once;
+    the models' order rotates by one each round, so no model always runs first (or right after the same one). A
+    spec names its precision when it is not 'fp32' (measure.PRECISIONS) and its allocator when it is not 'glibc'
+    (measure.ALLOCATORS)."""
     out = []
     for r in range(rounds):
         order = models[r % len(models):] + models[:r % len(models)]
@@ -202,9 +252,12 @@ def schedule(models, sizes, batches, kinds, rounds, precisions=('fp32',)):
             for size in sizes:
                 for batch in ([1] if kind == 'maxbatch' else batches):
                     for prec in precisions:
-                        extra = {} if prec == 'fp32' else dict(precision=prec)
-                        out += [dict(model=m, kind=kind, size=list(size), batch=batch, round=r, **extra)
-                                for m in order]
+                        for alloc in allocators:
+                            extra = {} if prec == 'fp32' else dict(precision=prec)
+                            if alloc != 'glibc':
+                                extra['allocator'] = alloc
+                            out += [dict(model=m, kind=kind, size=list(size), batch=batch, round=r, **extra)
+                                    for m in order]
     return out
 
 
@@ -258,6 +311,8 @@ def run(specs, common, out_path, results=None, timeout=None, log=print, runner=r
                          error=f'batch 1 does not fit {spec["budget_mb"]} MB')
                 if sample_precision(spec) != 'fp32':
                     s['precision'] = spec['precision']
+                if sample_allocator(spec) != 'glibc':
+                    s['allocator'] = spec['allocator']
             s.update(budget_mb=spec['budget_mb'], probes={str(k): v for k, v in probes.items()})
         else:
             s = runner(spec, timeout=timeout)
@@ -288,7 +343,7 @@ def merge(parts):
 
 def describe(s):
     head = (f'{s["model"]:14s} {s["kind"]:8s} {size_key(s["size"]):>9s} b{s["batch"]:<3d} '
-            f'{sample_precision(s):4s} r{s["round"]}')
+            f'{sample_precision(s):4s} r{s["round"]}') + (f' {s["allocator"]}' if 'allocator' in s else '')
     if 'error' in s:
         return f'{head} ERROR {s["error"]}'
     t = s.get('latency_ms') if s['kind'] != 'train' else s.get('step_ms')
@@ -305,13 +360,14 @@ def stat(values):
 
 
 def summarize(samples):
-    """{(model, kind, size_key, batch, precision): {metric: (median, min, max) over rounds, 'errors': [...]}} with
-    the metrics latency_ms, throughput, step_ms, peak_mem_mb (and batch of `maxbatch`); batch 0 for `maxbatch`,
-    precision 'fp32' for a sample without one (`sample_precision`)."""
+    """{(model, kind, size_key, batch, precision, allocator): {metric: (median, min, max) over rounds, 'errors':
+    [...]}} with the metrics latency_ms, throughput, step_ms, peak_mem_mb (and batch of `maxbatch`); batch 0 for
+    `maxbatch`, precision 'fp32' and allocator 'glibc' for a sample without one (`sample_precision`,
+    `sample_allocator`)."""
     groups = {}
     for s in samples:
         groups.setdefault((s['model'], s['kind'], size_key(s['size']), s['batch'] if s['kind'] != 'maxbatch'
-                           else 0, sample_precision(s)), []).append(s)
+                           else 0, sample_precision(s), sample_allocator(s)), []).append(s)
     out = {}
     for key, ss in groups.items():
         ok = [s for s in ss if 'error' not in s]
@@ -386,12 +442,27 @@ def precisions_of(samples):
     return [p for p in PRECISIONS if p in found] + sorted(found - set(PRECISIONS))
 
 
+def variants_of(samples):
+    """The (precision, allocator) pairs of `samples`: precisions as `precisions_of`, allocators in
+    measure.ALLOCATORS' order (glibc first) within each."""
+    found = {(sample_precision(s), sample_allocator(s)) for s in samples}
+    order = list(ALLOCATORS)
+    return [(p, a) for p in precisions_of(samples) for a in order + sorted({a for _, a in found} - set(order))
+            if (p, a) in found]
+
+
+def variant_title(prec, alloc):
+    """'bf16 autocast', 'bf16 autocast, caching allocator', ...: how the tables head a (precision, allocator)."""
+    return PRECISION_TITLES.get(prec, prec) + ('' if alloc == 'glibc' else f', {alloc} allocator')
+
+
 def render(results):
     """The generated section of docs/benchmark.md (markdown, deterministic in `results`): the runs, then the
-    tables; samples of one precision only (fp32 in every results file written before precisions existed) give one
-    set of tables under `### Inference`, `### Training step`, ... (a precision other than fp32 named in a line above
-    them); several precisions give one set per precision, each under its `### <precision>` heading
-    (PRECISION_TITLES) with `####` sub-headings."""
+    tables; samples of one precision and allocator only (fp32 and glibc in every results file written before
+    precisions existed) give one set of tables under `### Inference`, `### Training step`, ... (a precision or
+    allocator other than fp32 / glibc named in a line above them); several give one set per (precision,
+    allocator), each under its `### <precision>[, <allocator> allocator]` heading (`variant_title`) with `####`
+    sub-headings."""
     samples = results['samples']
     lines = []
     if results.get('smoke'):
@@ -408,23 +479,26 @@ def render(results):
                   + (f'; `{cfg["command"]}`' if cfg.get('command') else '') + '.', '']
     lines += ['Cells: median over rounds (min–max).', '']
     models = list(dict.fromkeys(s['model'] for s in samples))
-    precs = precisions_of(samples)
-    if precs == ['fp32'] or not precs:
+    variants = variants_of(samples)
+    if variants == [('fp32', 'glibc')] or not variants:
         lines += _render_tables(samples, models, '###')
-    elif len(precs) == 1:
-        lines += [f'Precision of every sample: {PRECISION_TITLES.get(precs[0], precs[0])}.', '']
+    elif len(variants) == 1:
+        prec, alloc = variants[0]
+        lines += [f'Precision of every sample: {PRECISION_TITLES.get(prec, prec)}'
+                  + ('' if alloc == 'glibc' else f'; allocator: {alloc}') + '.', '']
         lines += _render_tables(samples, models, '###')
     else:
-        for prec in precs:
-            lines += [f'### {PRECISION_TITLES.get(prec, prec)}', '']
-            lines += _render_tables([s for s in samples if sample_precision(s) == prec], models, '####')
+        for prec, alloc in variants:
+            lines += [f'### {variant_title(prec, alloc)}', '']
+            lines += _render_tables([s for s in samples if (sample_precision(s), sample_allocator(s))
+                                     == (prec, alloc)], models, '####')
     return '\n'.join(lines).rstrip() + '\n'
 
 
 def _render_tables(samples, models, head):
     """The tables of `samples` (all of one precision): inference, training step, memory, ratios and crossover of
     the PAIRS measured among them; `models` the order of the rows, `head` the markdown heading of each part."""
-    summ = {k[:4]: v for k, v in summarize(samples).items()}
+    summ = {k[:4]: v for k, v in summarize(samples).items()}   # one precision and allocator
     sizes = _sizes(samples)
     present = {s['model'] for s in samples}
     lines = []
@@ -526,7 +600,7 @@ def plot(results, path):
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     prec = plot_precision(results)
-    summ = {k[:4]: v for k, v in summarize(results['samples']).items() if k[4] == prec}
+    summ = {k[:4]: v for k, v in summarize(results['samples']).items() if k[4:] == (prec, 'glibc')}
     models = [m for m in dict.fromkeys(x for p in PAIRS[:3] for x in p)
               if any(k[0] == m for k in summ)]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))

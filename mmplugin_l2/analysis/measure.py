@@ -12,6 +12,12 @@ settings, the training step and its gradients, and a runner of fresh Python proc
 * Training step (`train_steps`): forward, backward of the summed output means (`output_loss`), AdamW step and
   zero_grad; `gradients` is one forward and backward returning every parameter's gradient, optionally under
   autocast with a `torch.amp.GradScaler`.
+* Steady state: `WARMUP` (2) untimed steps by default; a process's first steps still page-fault its heap in.
+* Allocator (`ALLOCATORS`, `allocator_env`): the CPU memory allocator a fresh process runs under: glibc's default,
+  `caching` (glibc keeping freed memory: no mmap, no trimming, as a GPU's caching allocator and jemalloc /
+  tcmalloc do), `live` (glibc returning every freed block of 64 KiB or more at once, so the peak resident set
+  follows the live tensors, as CUDA's max_memory_allocated counts them; its times are not a benchmark), or
+  jemalloc / tcmalloc preloaded from the system's libraries, as `torch.backends.xeon.run_cpu` does.
 """
 import contextlib
 import json
@@ -29,6 +35,58 @@ PRECISIONS = {'fp32': (None, False), 'tf32': (None, True), 'bf16': (torch.bfloat
               'fp16': (torch.float16, False)}
 #: the prefix of a result line a fresh process prints on stdout (`run_fresh`)
 RESULT = 'RESULT '
+#: untimed steps before the timed ones: a fresh process's first steps page-fault its heap in (steady state after)
+WARMUP = 2
+#: allocator name -> environment of the fresh process (glibc's tunables), or a library to preload (`allocator_env`)
+ALLOCATORS = {
+    'glibc': {},
+    'caching': {'MALLOC_MMAP_MAX_': '0', 'MALLOC_TRIM_THRESHOLD_': str(2**40), 'MALLOC_TOP_PAD_': str(2**26)},
+    'live': {'MALLOC_MMAP_THRESHOLD_': '65536', 'MALLOC_TRIM_THRESHOLD_': '0'},
+    'jemalloc': ('libjemalloc.so.2',),
+    'tcmalloc': ('libtcmalloc.so.4', 'libtcmalloc_minimal.so.4'),
+}
+#: where `allocator_env` looks for a preloaded allocator's library (then `ldconfig -p`)
+LIB_DIRS = ('/usr/lib/x86_64-linux-gnu', '/usr/lib/aarch64-linux-gnu', '/usr/lib64', '/usr/lib', '/usr/local/lib')
+
+
+def find_library(names, dirs=None):
+    """The path of the first of the shared libraries `names` (e.g. ('libjemalloc.so.2',)) found in `dirs` (None:
+    LIB_DIRS, the interpreter's prefix (a conda environment's lib/), then the linker cache); None when none
+    has one."""
+    for name in names:
+        for d in (*LIB_DIRS, os.path.join(sys.prefix, 'lib')) if dirs is None else dirs:
+            path = os.path.join(d, name)
+            if os.path.isfile(path):
+                return path
+    if dirs is not None:
+        return None
+    try:
+        cache = subprocess.run(['ldconfig', '-p'], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return next((ln.rsplit('=> ', 1)[1].strip() for name in names for ln in cache.splitlines()
+                 if ln.strip().startswith(name + ' ') and '=> ' in ln), None)
+
+
+def allocator_env(name, base=None, dirs=None):
+    """The environment (a copy of `base`, default os.environ) of a fresh process that runs under the allocator
+    `name` (ALLOCATORS); ValueError (one line) for an unknown name or a library that is not installed (looked for
+    by `find_library` in `dirs`)."""
+    if name not in ALLOCATORS:
+        raise ValueError(f'allocator {name!r}; allowed: {", ".join(ALLOCATORS)}')
+    env = dict(os.environ if base is None else base)
+    spec = ALLOCATORS[name]
+    if isinstance(spec, tuple):
+        path = find_library(spec, dirs)
+        if path is None:
+            pkg = {'jemalloc': 'libjemalloc2', 'tcmalloc': 'libtcmalloc-minimal4'}[name]
+            where = ', '.join(dirs) if dirs is not None else ', '.join(LIB_DIRS) + ' or the linker cache'
+            raise ValueError(f'allocator {name!r}: {" / ".join(spec)} not found in {where}; install it (Debian / Ubuntu: {pkg}; conda: {name}) or use the allocator '
+                             f'caching (glibc keeping freed memory)')
+        env['LD_PRELOAD'] = ' '.join(p for p in (path, env.get('LD_PRELOAD')) if p)
+    else:
+        env.update(spec)
+    return env
 
 
 def sync(device):
@@ -129,21 +187,31 @@ def output_loss(outputs, square=False):
     return sum((o if o.dtype == torch.float64 else o.float()).pow(2 if square else 1).mean() for o in outputs)
 
 
-def train_steps(model, x, warmup, iters, lr=1e-4, memory=True, prec='fp32'):
-    """`warmup` + `iters` training iterations of `model` on `x` (forward, backward of `output_loss`, AdamW step,
-    zero_grad) in precision `prec`; returns (per-iteration dicts of total / forward / backward / optimizer ms
-    of the timed ones, peak MB above what was held before the first iteration or None: not measured without
-    `memory`, not measurable on CPU below the process's earlier peak)."""
+def model_loss(model, x):
+    """The loss of a training step: `output_loss` of a backbone's outputs; for a whole model that computes its own
+    losses (an mmengine BaseModel, e.g. a detector, given its preprocessed batch as a dict) their sum by its
+    `parse_losses`."""
+    if isinstance(x, dict):
+        return model.parse_losses(model(**x, mode='loss'))[0]
+    return output_loss(model(x))
+
+
+def train_steps(model, x, warmup, iters, lr=1e-4, memory=True, prec='fp32', device=None):
+    """`warmup` + `iters` training iterations of `model` on `x` (forward, backward of `model_loss`, AdamW step,
+    zero_grad) in precision `prec`; `x` a tensor, or a whole model's preprocessed batch (a dict, with `device`);
+    returns (per-iteration dicts of total / forward / backward / optimizer ms of the timed ones, peak MB above
+    what was held before the first iteration or None: not measured without `memory`, not measurable on CPU below
+    the process's earlier peak)."""
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.05)
-    dev = x.device
+    dev = x.device if device is None else torch.device(device)
     steps = []
     with contextlib.ExitStack() as stack:
         mem = stack.enter_context(PeakMemory(dev)) if memory else None
         for i in range(warmup + iters):
             t0 = clock(dev)
             with precision(prec, dev):
-                loss = output_loss(model(x))
+                loss = model_loss(model, x)
             t1 = clock(dev)
             loss.backward()
             t2 = clock(dev)

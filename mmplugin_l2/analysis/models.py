@@ -7,17 +7,25 @@ PyTorch's fused `scaled_dot_product_attention`), mmdet's `swin_t`, `swin_s`, `pv
 for the authors' implementation of one of ours (mmplugin_l2/analysis/authors.py, from a checkout the user
 names); `swin_t_timm` and `deit_t_timm`, timm's Swin-T and DeiT-T, where mmdet / mmpretrain are not
 installed (the device check's machine). Ours build without mmdet (straight from mmplugin_l2.models.backbones).
+Whole detectors (`DETECTORS`: `mask_rcnn_hvit3_t` from our config, `mask_rcnn_swin_t` from mmdet's, and
+`mask_rcnn_hvit3_t@authors`, ours with the authors' backbone on their recipe) build with `build_detector`.
 """
+import contextlib
+import sys
+
+import torch
 import torch.nn as nn
 
 from . import authors
-from .table import (AUTHORS_TAG, LABELS, MODELS, PLAIN_ATTENTION, TINY, build_ours,  # noqa: F401 (the tools' names)
-                    label)
+from .table import (AUTHORS_TAG, DETECTOR_AUTHORS, DETECTORS, LABELS, MODELS, PLAIN_ATTENTION,  # noqa: F401
+                    TINY, build_ours, label)
 
 
 def check_name(name, authors_roots=None):
     """Raise ValueError (one line) unless `name` is a known model; `<name>@authors` also needs the checkout of
     its family in `authors_roots` ({family: path})."""
+    if name.endswith(AUTHORS_TAG) and name[:-len(AUTHORS_TAG)] in DETECTOR_AUTHORS:
+        return check_name(DETECTOR_AUTHORS[name[:-len(AUTHORS_TAG)]] + AUTHORS_TAG, authors_roots)
     if name.endswith(AUTHORS_TAG):
         base = name[:-len(AUTHORS_TAG)]
         if base not in authors.AUTHORS:
@@ -26,8 +34,67 @@ def check_name(name, authors_roots=None):
         fam = authors.AUTHORS[base][0]
         if fam not in (authors_roots or {}):
             raise ValueError(f'{name} needs the authors\' checkout: pass --authors-code {fam}=PATH')
-    elif name not in MODELS:
-        raise ValueError(f'unknown model {name!r}; known: {", ".join(MODELS)} (and <ours>{AUTHORS_TAG})')
+    elif name not in MODELS and name not in DETECTORS:
+        raise ValueError(f'unknown model {name!r}; known: {", ".join([*MODELS, *DETECTORS])} (and '
+                         f'<ours>{AUTHORS_TAG})')
+
+
+def is_detector(name):
+    """Whether `name` is a whole detector (DETECTORS, or one with the authors' backbone)."""
+    return name in DETECTORS or name.endswith(AUTHORS_TAG) and name[:-len(AUTHORS_TAG)] in DETECTOR_AUTHORS
+
+
+@contextlib.contextmanager
+def mmcv_ops_in_fp32():
+    """mmcv's RoIAlign and NMS run in fp32 on half inputs while the body runs: their kernels (CPU; RoIAlign's on
+    CUDA too) have no bf16, so under bf16 autocast a two-stage detector stops at its first RoI. Inside, they compute
+    in fp32 on the inputs cast to fp32 (autocast off); RoIAlign returns its features in the input's dtype, as its
+    fp16 kernel does (mmdet's RoI extractor writes them into a map of that dtype)."""
+    import mmcv.ops  # noqa: F401
+    roi_align, nms = sys.modules['mmcv.ops.roi_align'], sys.modules['mmcv.ops.nms']
+    saved = roi_align.RoIAlign.forward, nms.NMSop.forward
+    roi_forward, nms_forward = saved
+
+    def roi(self, input, rois):
+        if input.dtype in (torch.float16, torch.bfloat16):
+            with torch.autocast(input.device.type, enabled=False):
+                return roi_forward(self, input.float(), rois.float()).to(input.dtype)
+        return roi_forward(self, input, rois)
+
+    def nms_(ctx, bboxes, scores, *args, **kwargs):
+        return nms_forward(ctx, bboxes.float(), scores.float(), *args, **kwargs)
+    roi_align.RoIAlign.forward, nms.NMSop.forward = roi, staticmethod(nms_)
+    try:
+        yield
+    finally:
+        roi_align.RoIAlign.forward, nms.NMSop.forward = saved[0], staticmethod(saved[1])
+
+
+def build_detector(name, size, batch, authors_roots=None, device='cpu'):
+    """The whole detector `name` (`is_detector`) built from its config with random weights (no pretrained
+    backbone), and one training batch for it: `batch` random (3, H, W) images with random boxes and masks
+    (mmdet.testing.demo_mm_inputs, 80 classes, 5 objects each), run through the config's data preprocessor (which
+    moves it to `device`, where the model goes).
+
+    Returns:
+        tuple: (model, the preprocessed batch as `model(**batch, mode='loss')` takes it).
+    """
+    check_name(name, authors_roots)
+    base = name[:-len(AUTHORS_TAG)] if name.endswith(AUTHORS_TAG) else name
+    from mmdet.registry import MODELS as REG
+    from mmdet.testing import demo_mm_inputs
+    from mmengine.registry import init_default_scope
+
+    from .inputs import load_config
+    cfg = load_config(DETECTORS[base][0])
+    init_default_scope('mmdet')
+    cfg.model.backbone.init_cfg = None
+    model = REG.build(cfg.model)
+    if base != name:
+        model.backbone = build(DETECTOR_AUTHORS[base] + AUTHORS_TAG, size=size, authors_roots=authors_roots)
+    model.to(device)
+    raw = demo_mm_inputs(batch, [(3, *size)] * batch, num_items=[5] * batch, num_classes=80, with_mask=True)
+    return model, model.data_preprocessor(raw, True)
 
 
 def _plain_attention_(model):

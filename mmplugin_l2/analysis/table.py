@@ -5,6 +5,8 @@ from ..models import backbones
 #: name -> backbone config (mmdet scope; `mmpretrain.` types build through mmpretrain's registry)
 MODELS = {
     'hvit3_t': dict(type='HViT3', arch='tiny', drop_path_rate=0.),
+    # as the H-ViT3 detection configs build it: blocks recomputed in backward
+    'hvit3_t_cp': dict(type='HViT3', arch='tiny', drop_path_rate=0., with_cp=True),
     'hvit3_s': dict(type='HViT3', arch='small', drop_path_rate=0.),
     'hvit3_b': dict(type='HViT3', arch='base', drop_path_rate=0.),
     'vit3_t': dict(type='ViT3', arch='tiny', drop_path_rate=0.),
@@ -45,9 +47,20 @@ TINY = {
     'timm:deit_tiny_patch16_224': dict(embed_dim=32, depth=2, num_heads=2),
 }
 
+#: whole detectors of the benchmark's `train` kind (one training iteration of the config's model, data loading
+#: excluded): name -> (config, how the tables name it). `<name>@authors` (where DETECTOR_AUTHORS names a backbone)
+#: is the same detector with the authors' backbone of that analysis.authors.AUTHORS entry.
+DETECTORS = {
+    'mask_rcnn_hvit3_t': ('mmplugin_l2::mmdet/mask_rcnn_hvit3_t_1x.py', 'Mask R-CNN H-ViT3-T (our config)'),
+    'mask_rcnn_swin_t': ('mmdet::swin/mask-rcnn_swin-t-p4-w7_fpn_1x_coco.py', 'Mask R-CNN Swin-T (mmdet config)'),
+}
+#: detector -> the authors' backbone of `<detector>@authors`: their detection recipe (`use_checkpoint=True`)
+DETECTOR_AUTHORS = {'mask_rcnn_hvit3_t': 'hvit3_t_cp'}
+
 #: name -> how the docs' tables name it
 LABELS = {
-    'hvit3_t': 'H-ViT3-T', 'hvit3_s': 'H-ViT3-S', 'hvit3_b': 'H-ViT3-B', 'vit3_t': 'ViT3-T', 'vit3_s': 'ViT3-S',
+    'hvit3_t': 'H-ViT3-T', 'hvit3_t_cp': 'H-ViT3-T with_cp', 'hvit3_s': 'H-ViT3-S', 'hvit3_b': 'H-ViT3-B',
+    'vit3_t': 'ViT3-T', 'vit3_s': 'ViT3-S',
     'vit3_b': 'ViT3-B', 'l2vit_t': 'L2ViT-T', 'l2vit_s': 'L2ViT-S', 'rest_s': 'ResT-S', 'rest_b': 'ResT-B',
     'swin_t': 'Swin-T (mmdet)', 'swin_s': 'Swin-S (mmdet)', 'pvtv2_b2': 'PVTv2-b2 (mmdet)',
     'deit_t': 'DeiT-T (mmpretrain)', 'deit_t_plain': 'DeiT-T plain attention (mmpretrain, no fused SDPA)',
@@ -64,8 +77,11 @@ AUTHORS_TAG = '@authors'
 def label(name):
     """The docs' name of `name` (`<name>@authors` -> '<label> (authors' code)')."""
     if name.endswith(AUTHORS_TAG):
-        return f'{label(name[:-len(AUTHORS_TAG)])} (authors\' code)'
-    return LABELS.get(name, name)
+        base = name[:-len(AUTHORS_TAG)]
+        if base in DETECTOR_AUTHORS:
+            return f'{label(base).split(" (")[0]} (the authors\' backbone, their recipe)'
+        return f'{label(base)} (authors\' code)'
+    return DETECTORS[name][1] if name in DETECTORS else LABELS.get(name, name)
 
 
 def build_ours(name, extra_cfg=None, tiny=False):

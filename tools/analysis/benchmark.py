@@ -5,7 +5,7 @@ and plot are generated.
 
     python tools/analysis/benchmark.py run [--suite headline|detection|all] [--models ...] [--sizes 224 800x1344 ...]
         [--batches 1 2] [--kinds infer train maxbatch] [--precision fp32 tf32 bf16 fp16] [--rounds 3]
-        [--warmup 1] [--iters 3] [--budget-mb 8000] [--device cpu|cuda] [--authors-code FAMILY=PATH ...]
+        [--allocator glibc caching live jemalloc tcmalloc] [--warmup 2] [--iters 3] [--budget-mb 8000] [--device cpu|cuda] [--authors-code FAMILY=PATH ...]
         [--timeout S] [--smoke] --out results.json
     python tools/analysis/benchmark.py merge a.json b.json ... --out results.json
     python tools/analysis/benchmark.py render results.json [--doc docs/benchmark.md] [--plot docs/benchmark.png]
@@ -15,7 +15,12 @@ and plot are generated.
 precision), the models' order rotating between rounds; the results file (machine, versions, commit, every sample)
 is rewritten after each measurement. A suite sets models, sizes, batches and kinds; the other flags override them.
 `--precision` (default fp32: TF32 off): one or more of fp32, tf32 (TF32 on), bf16, fp16 (autocast to that dtype
-around the forward, as AMP training does; no loss scaling); a sample records its precision when not fp32. A
+around the forward, as AMP training does; no loss scaling); a sample records its precision when not fp32.
+`--warmup` (default 2) untimed steps come first: a fresh process's first steps page-fault its heap in.
+`--allocator` (default glibc): the CPU allocator each fresh process runs under (caching: glibc keeping freed
+memory, as a GPU's caching allocator does; live: glibc returning freed tensors at once, so the peak counts live
+tensors as CUDA's max_memory_allocated does; jemalloc / tcmalloc preloaded when installed); a sample records it
+when not glibc, and each allocator is tabled apart. A
 failed measurement (an exception, out of memory, --timeout) is kept as a sample with its one-line error.
 `maxbatch`: batches 1, 2, 4, ... until the inference peak memory exceeds --budget-mb, then bisection; each
 probe a fresh process; then the throughput at the batch found. `<model>@authors` (e.g. hvit3_t@authors) is the
@@ -35,7 +40,7 @@ import sys
 
 from mmplugin_l2.analysis import authors
 from mmplugin_l2.analysis import benchmark as bm
-from mmplugin_l2.analysis.measure import PRECISIONS
+from mmplugin_l2.analysis.measure import ALLOCATORS, PRECISIONS, WARMUP, allocator_env
 from mmplugin_l2.analysis.models import MODELS, label
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
@@ -57,7 +62,13 @@ def parse_args(argv=None):
                    help='fp32 (TF32 off), tf32 (TF32 on), bf16 / fp16 (autocast); several: each measured, '
                         'tabled apart (default: fp32)')
     r.add_argument('--rounds', type=int, default=3)
-    r.add_argument('--warmup', type=int, default=1)
+    r.add_argument('--allocator', nargs='+', choices=list(ALLOCATORS), default=['glibc'],
+                   help='the CPU allocator of each measurement\'s process: glibc (its default), caching (glibc '
+                        'keeping freed memory, as a GPU\'s caching allocator), live (the peak follows the live '
+                        'tensors; times not a benchmark), jemalloc / tcmalloc (preloaded); several: each '
+                        'measured, tabled apart (default: glibc)')
+    r.add_argument('--warmup', type=int, default=WARMUP,
+                   help=f'untimed steps first (default {WARMUP}: the steady state)')
     r.add_argument('--iters', type=int, default=3)
     r.add_argument('--budget-mb', type=float, default=8000., help='memory budget of maxbatch (MB)')
     r.add_argument('--max-batch', type=int, default=256)
@@ -84,6 +95,12 @@ def parse_args(argv=None):
             if getattr(args, k) is None:
                 setattr(args, k, [bm.parse_size(s) for s in v] if k == 'sizes' else list(v))
         args.precision = list(dict.fromkeys(args.precision))
+        args.allocator = list(dict.fromkeys(args.allocator))
+        for a in args.allocator:
+            try:
+                allocator_env(a)
+            except ValueError as e:
+                p.error(str(e))
         if min(args.rounds, args.iters, *args.batches) < 1 or args.warmup < 0:
             p.error('--rounds, --iters and --batches must be >= 1, --warmup >= 0')
         if args.device != 'cpu' and not args.device.startswith('cuda'):
@@ -154,13 +171,15 @@ def main(argv=None):
         bm.plot(results, args.plot)
         print(f'wrote the tables of {args.doc} and {args.plot}')
         return 0
-    specs = bm.schedule(args.models, args.sizes, args.batches, args.kinds, args.rounds, args.precision)
+    specs = bm.schedule(args.models, args.sizes, args.batches, args.kinds, args.rounds, args.precision,
+                        args.allocator)
     common = dict(warmup=args.warmup, iters=args.iters, device=args.device, budget_mb=args.budget_mb,
                   max_batch=args.max_batch, authors_roots=args.authors_roots)
     if args.cfg_options:
         common['cfg'] = bm.nested(dict(args.cfg_options))
     config = dict(suite=args.suite, models=args.models, sizes=[list(s) for s in args.sizes], batches=args.batches,
-                  kinds=args.kinds, precisions=args.precision, rounds=args.rounds, warmup=args.warmup,
+                  kinds=args.kinds, precisions=args.precision, allocators=args.allocator, rounds=args.rounds,
+                  warmup=args.warmup,
                   iters=args.iters, cfg=common.get('cfg'),
                   budget_mb=args.budget_mb, command=' '.join(['python', 'tools/analysis/benchmark.py']
                                                               + sys.argv[1:] if argv is None else argv))
