@@ -251,3 +251,42 @@ def test_each_ops_kernels_run_in_the_promised_dtypes(step):
             if kernel not in promised.get(name, {}) and dts != {prec}:
                 wrong.append(f'{name} {kernel}: ran in {sorted(dts)}, not in the autocast dtype {prec}')
     assert not wrong, '\n'.join(wrong)
+
+
+#: under `with_cp` (a block recomputed in backward) the ops inside it that would recompute themselves take the
+#: reference in the block's forward and in its recomputation (`ops.dispatch.recomputing`)
+WITH_CP_PATHS = {
+    'hvit3_t': dict(TTT={'reference', 'reference in backward'}, CONV_MLP={'reference', 'reference in backward'}),
+    'l2vit_t': dict(NORM_MLP={'reference', 'reference in backward'}),
+}
+
+
+@pytest.mark.parametrize('family', sorted(WITH_CP_PATHS))
+def test_with_cp_blocks_do_not_recompute_their_ops_again(family, _one_thread):
+    """Under bf16 with `with_cp=True`: the ops that take their checkpoint path without it (TTT and ConvMlp,
+    L2ViT's MLP branch) take the reference inside the recomputed blocks, in forward and in the recomputation,
+    and no recomputation runs inside another (each block's ops run twice per step, not three times); the
+    gradients are those of the model without `with_cp` (same function, other roundings: within bf16's)."""
+    grads = {}
+    for with_cp in (False, True):
+        torch.manual_seed(0)
+        model = build(family, dict(with_cp=with_cp), tiny=True)
+        set_memory_policy(model, dict(max_elems=PIECE[family]))
+        res = profile_ops(model, torch.randn(1, 3, SIZE, SIZE), 'train', 'bf16', warmup=0, by='module')
+        paths = collections.defaultdict(set)
+        for row, name, p in _dispatched(res):
+            paths[name] |= p
+        for name, want in WITH_CP_PATHS[family].items():
+            if with_cp:
+                assert paths[name] == want, (name, sorted(paths[name]))
+            else:
+                assert 'checkpoint' in paths[name], (name, sorted(paths[name]))
+        torch.manual_seed(0)
+        x = torch.randn(1, 3, SIZE, SIZE)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast('cpu', torch.bfloat16):
+            out = model(x)
+        sum(o.float().mean() for o in out).backward()
+        grads[with_cp] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    err = (grads[True] - grads[False]).norm() / grads[False].norm()
+    assert err < 2e-2, err.item()

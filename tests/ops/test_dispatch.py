@@ -89,6 +89,37 @@ def test_declared_support_decides_and_checkpoint_is_the_fallback():
         assert choose(m, x, 8, pieces_only) == (REFERENCE, None)
 
 
+
+def test_recomputed_regions_do_not_nest():
+    """Inside a recomputed region (`checkpointed`: a block under `with_cp`), in its forward and in its
+    recomputation, an op that would checkpoint gets the reference and a nested `checkpointed` runs plainly: the
+    inner function runs twice per step (forward, the region's recomputation), not three times; a train path
+    still applies there; the count is back to zero afterwards, also after an exception."""
+    from mmplugin_l2.models.ops.checkpoint import checkpointed
+    ckpt = Supports(train=Fast(input_grad=True), checkpoint=True)
+    m, x = _layer(), _grad_input()
+    assert choose(m, x.detach(), 16, ckpt) == (CHECKPOINT, None) and not dispatch.recomputing()
+    seen, calls = [], []
+
+    def inner(t):
+        calls.append(torch.is_grad_enabled())
+        return t * t
+
+    def outer(t):
+        seen.append((choose(m, t.detach(), 16, ckpt), choose(m, t, 16, ckpt), dispatch.recomputing()))
+        return checkpointed(inner, t).sin()
+    y = checkpointed(outer, x)
+    y.sum().backward()
+    assert seen == [((REFERENCE, None), (TRAIN, 4), True)] * 2     # its forward, its recomputation
+    assert len(calls) == 2 and not dispatch.recomputing()
+    assert torch.equal(x.grad, torch.cos(x.detach() ** 2) * 2 * x.detach())
+    with pytest.raises(ZeroDivisionError):
+        checkpointed(lambda t: 1 / 0, x)
+    assert not dispatch.recomputing()
+    calls.clear()
+    checkpointed(inner, x).sum().backward()      # not nested: recomputed in backward
+    assert len(calls) == 2
+
 def test_half_inputs_under_autocast_only_and_half_pieces():
     """`Fast(half='autocast')` takes half inputs under autocast (fp32 parameters) but not half inputs outside it (half
     weights); `half_pieces=False` gives whole maps wherever the path computes in half precision, pieces elsewhere."""

@@ -4,6 +4,12 @@ backward and the function runs again there (non-reentrant torch.utils.checkpoint
 so dropout draws the same masks). BatchNorm running statistics are updated once, not again in the
 recomputation. Same values and gradients; less memory for more backward time.
 
+Recomputed regions do not nest: inside one (a block under `with_cp`, in its forward and in its recomputation; not
+under torch.compile, whose traced graph decides what is recomputed) a branch or layer that would be checkpointed
+runs plainly, and `ops.dispatch.choose` gives an op the reference where it would give its checkpoint path
+(`dispatch.recomputing`). A nested recomputation would run the inner function a third time for memory that the
+enclosing region already bounds: its saved tensors live only while that region's backward runs.
+
 `keep_products=True` makes it selective (torch's selective activation checkpointing): the outputs of the
 matrix products and of the fused attention kernel (`PRODUCTS`) are kept from the forward, everything else
 (LayerNorm, reshapes, window partitions, elementwise ops) is recomputed. The recomputation then costs
@@ -23,7 +29,7 @@ import torch
 import torch.utils.checkpoint as cp
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .dispatch import trains_fast
+from .dispatch import recomputed_region, recomputing, trains_fast
 
 
 @contextlib.contextmanager
@@ -90,16 +96,22 @@ def _keep_products(ctx, op, *args, **kwargs):
 
 
 def checkpointed(fn, *args, enabled=True, module=None, keep_products=False):
-    """fn(*args); when `enabled` and autograd records, checkpointed (see the module docstring). `module`:
-    the module whose BatchNorms `fn` runs (their statistics are updated once; not with `keep_products`,
-    which is for functions without BatchNorm)."""
-    if enabled and torch.is_grad_enabled():
+    """fn(*args); when `enabled` and autograd records, checkpointed (see the module docstring), unless this runs
+    inside another recomputed region (then plainly: regions do not nest). `module`: the module whose BatchNorms
+    `fn` runs (their statistics are updated once; not with `keep_products`, which is for functions without
+    BatchNorm)."""
+    if enabled and torch.is_grad_enabled() and not recomputing():
+        def region(*a):
+            with recomputed_region():
+                return fn(*a)
+        if torch.compiler.is_compiling():   # the compiler traces fn and decides what backward recomputes
+            region = fn
         if keep_products:
             kw = dict(context_fn=partial(cp.create_selective_checkpoint_contexts, _keep_products))
         else:
             context_fn = _bn_context_fn(module)
             kw = {} if context_fn is None else dict(context_fn=context_fn)
-        return cp.checkpoint(fn, *args, use_reentrant=False, **kw)
+        return cp.checkpoint(region, *args, use_reentrant=False, **kw)
     return fn(*args)
 
 

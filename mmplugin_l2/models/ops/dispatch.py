@@ -16,7 +16,11 @@ layer re-decides. Its inputs:
   passed here): half precision, autocast, active dropout, train-mode BatchNorms, the activation, whether
   a path exists on whole maps or only in pieces;
 * the memory policy (`MemoryPolicy`): the piece size, only on the policy's devices (CPU by default; CUDA
-  runs whole maps unless a user adds it to `devices`).
+  runs whole maps unless a user adds it to `devices`);
+* whether the op runs inside a recomputed region (`recomputing`: a block under the backbone's `with_cp`, or a
+  recomputed branch): there an op's checkpoint path would recompute it a second time in backward for memory the
+  region's own recomputation already bounds, so it gets the reference instead (kept for backward only while
+  that region's backward runs).
 
 Anything else is the reference, which is always correct.
 """
@@ -84,6 +88,28 @@ class Supports(NamedTuple):
 
 #: an op with an inference fast path and no train path
 INFERENCE_ONLY = Supports(train=None)
+
+
+#: how many recomputed regions (`ops.checkpoint.checkpointed`) enclose the code running now; a list so that the
+#: region's forward and its recomputation in backward (on the autograd engine's thread on CUDA) see one count
+_RECOMPUTED_DEPTH = [0]
+
+
+def recomputing():
+    """Whether the code running now is inside a recomputed region (`ops.checkpoint.checkpointed`): its forward
+    or its recomputation in backward."""
+    return _RECOMPUTED_DEPTH[0] > 0
+
+
+class recomputed_region:
+    """Context manager: the body is (the forward or the recomputation of) a recomputed region."""
+
+    def __enter__(self):
+        _RECOMPUTED_DEPTH[0] += 1
+
+    def __exit__(self, *exc):
+        _RECOMPUTED_DEPTH[0] -= 1
+        return False
 
 
 def inference(module):
@@ -175,7 +201,7 @@ def choose(module, x, whole_elems, supports=Supports(), *, modules=(), acts=(), 
     if trains_fast(module):
         fast = supports.train
         path = _path(TRAIN, fast, policy, x, whole_elems) if _takes(fast, x, modules, acts) else None
-        if path is None and supports.checkpoint:
+        if path is None and supports.checkpoint and not recomputing():
             path = Path(CHECKPOINT, None)
         return path or Path.reference()
     return Path.reference()
