@@ -254,9 +254,10 @@ def test_each_ops_kernels_run_in_the_promised_dtypes(step):
 
 
 #: under `with_cp` (a block recomputed in backward) the ops inside it that would recompute themselves take the
-#: reference in the block's forward and in its recomputation (`ops.dispatch.recomputing`)
+#: reference in the block's forward and in its recomputation (`ops.dispatch.recomputing`); TTT its compiled
+#: reference (`ops.ttt.TTT.compiled`: bf16 on CPU, the layer's `fast_compile` on by default)
 WITH_CP_PATHS = {
-    'hvit3_t': dict(TTT={'reference', 'reference in backward'}, CONV_MLP={'reference', 'reference in backward'}),
+    'hvit3_t': dict(TTT={'compiled', 'compiled in backward'}, CONV_MLP={'reference', 'reference in backward'}),
     'l2vit_t': dict(NORM_MLP={'reference', 'reference in backward'}),
 }
 
@@ -264,7 +265,8 @@ WITH_CP_PATHS = {
 @pytest.mark.parametrize('family', sorted(WITH_CP_PATHS))
 def test_with_cp_blocks_do_not_recompute_their_ops_again(family, _one_thread):
     """Under bf16 with `with_cp=True`: the ops that take their checkpoint path without it (TTT and ConvMlp,
-    L2ViT's MLP branch) take the reference inside the recomputed blocks, in forward and in the recomputation,
+    L2ViT's MLP branch) take the reference inside the recomputed blocks (TTT: compiled by inductor), in forward and
+    in the recomputation,
     and no recomputation runs inside another (each block's ops run twice per step, not three times); the
     gradients are those of the model without `with_cp` (same function, other roundings: within bf16's)."""
     grads = {}

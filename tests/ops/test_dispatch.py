@@ -8,7 +8,7 @@ import torch.nn as nn
 from mmplugin_l2.models.layers import EMSA, LinearAttention, TTTAttention, WindowAttention
 from mmplugin_l2.models.ops import dispatch
 from mmplugin_l2.models.ops.memory import set_memory_policy
-from mmplugin_l2.models.ops import (CHECKPOINT, INFERENCE, INFERENCE_ONLY, REFERENCE, TRAIN, Fast, Supports,
+from mmplugin_l2.models.ops import (CHECKPOINT, COMPILED, INFERENCE, INFERENCE_ONLY, REFERENCE, TRAIN, Fast, Supports,
                                     choose)
 from mmplugin_l2.models.ops.export import export_mode
 from mmplugin_l2.models.ops.memory import MemoryPolicy
@@ -94,7 +94,8 @@ def test_recomputed_regions_do_not_nest():
     """Inside a recomputed region (`checkpointed`: a block under `with_cp`), in its forward and in its
     recomputation, an op that would checkpoint gets the reference and a nested `checkpointed` runs plainly: the
     inner function runs twice per step (forward, the region's recomputation), not three times; a train path
-    still applies there; the count is back to zero afterwards, also after an exception."""
+    still applies there, and the compiled reference where the op declares it and the module's `fast_compile` is
+    on; the count is back to zero afterwards, also after an exception."""
     from mmplugin_l2.models.ops.checkpoint import checkpointed
     ckpt = Supports(train=Fast(input_grad=True), checkpoint=True)
     m, x = _layer(), _grad_input()
@@ -113,6 +114,18 @@ def test_recomputed_regions_do_not_nest():
     assert seen == [((REFERENCE, None), (TRAIN, 4), True)] * 2     # its forward, its recomputation
     assert len(calls) == 2 and not dispatch.recomputing()
     assert torch.equal(x.grad, torch.cos(x.detach() ** 2) * 2 * x.detach())
+    compiled = ckpt._replace(compiled=Fast(compute_dtypes=(torch.bfloat16,)))
+    m.fast_compile, got = True, []
+    with dispatch.recomputed_region(), torch.autocast('cpu', torch.bfloat16):
+        got.append(choose(m, x.detach(), 16, compiled))
+        m.fast_compile = False
+        got.append(choose(m, x.detach(), 16, compiled))
+    with dispatch.recomputed_region():
+        m.fast_compile = True
+        got.append(choose(m, x.detach(), 16, compiled))           # fp32: not declared there
+    with torch.autocast('cpu', torch.bfloat16):
+        got.append(choose(m, x.detach(), 16, compiled))           # outside a recomputed region: its checkpoint
+    assert got == [(COMPILED, None), (REFERENCE, None), (REFERENCE, None), (CHECKPOINT, None)]
     with pytest.raises(ZeroDivisionError):
         checkpointed(lambda t: 1 / 0, x)
     assert not dispatch.recomputing()

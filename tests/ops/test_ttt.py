@@ -251,6 +251,7 @@ def test_train_function_under_fp16_autocast_no_worse_than_the_reference(with_rop
     assert max(e_fast) < 1e-2, e_fast
 
 
+
 # ---------------------------------------------------------------- the layer's dispatch
 def _Calls(monkeypatch):
     return record_calls(monkeypatch, ttt_op, ttt_inference='inference', TTTCore='train')

@@ -38,6 +38,13 @@ def _init_linear_and_ln(m):
         nn.init.zeros_(m.bias)
 
 
+def set_fast_compile(model, on):
+    """The `fast_compile` switch of every TTT layer of `model`."""
+    for m in model.modules():
+        if isinstance(m, TTTAttention):
+            m.fast_compile = bool(on)
+
+
 class TTTBlock(nn.Module):
     """ViT3 / H-ViT3 block on tokens (B, N, C) of an (H, W) map: CPE, TTT attention (with RoPE when the
     caller passes tables), MLP (ConvMlp in H-ViT3, plain Mlp in ViT3)."""
@@ -89,6 +96,10 @@ class HViT3(PyramidBackbone):
             MLP's input and fc1 output (`ConvMlpFunction`) for backward and recompute the rest there: same
             gradients, about half the memory of a step, at about the speed of `fast_train=False` on CPU.
             Default: True.
+        fast_compile (bool): with `with_cp`, under bf16 autocast on CPU, the TTT inner models of the recomputed
+            blocks run compiled by inductor (their forward and backward fused; the first training step compiles,
+            later processes load the compiled code from torch's cache; where it cannot compile, one warning and
+            the eager code). Default: True.
         out_norm_cfg (dict | None): norm of each returned stage (`norm{i}`); dict(type='LN') is mmdet's
             side-branch convention, dict(type='BN') on stage 3 reproduces the authors' classification
             BatchNorm1d over tokens. Default: dict(type='LN').
@@ -113,7 +124,7 @@ class HViT3(PyramidBackbone):
                  drop_path_rate=0.1, out_indices=(0, 1, 2, 3), frozen_stages=-1, norm_eval=False,
                  with_cp=False, fast_train=True, out_norm_cfg=dict(type='LN'),
                  memory_policy=dict(max_elems=2 ** 20, devices=('cpu',)), init_cfg=None,
-                 recompute=None):
+                 recompute=None, fast_compile=True):
         super().__init__(init_cfg=init_cfg)
         fast_train = renamed_argument(type(self).__name__, 'recompute', 'fast_train', recompute, fast_train)
         dims, depths, heads = self._init_arch(arch)
@@ -126,6 +137,7 @@ class HViT3(PyramidBackbone):
                 mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop=drop_rate, fast_train=fast_train))
         self._init_pyramid(in_channels, dims, out_indices, frozen_stages, norm_eval, with_cp, out_norm_cfg,
                            memory_policy, weight_init=_init_linear_and_ln)
+        set_fast_compile(self, fast_compile)
 
     def forward(self, x):
         x = self.patch_embed(x)
@@ -202,7 +214,7 @@ class ViT3(PyramidBackbone):
     def __init__(self, arch='tiny', patch_size=16, in_channels=3, mlp_ratio=4., qkv_bias=True, drop_rate=0.,
                  drop_path_rate=0., out_indices=(-1,), frozen_stages=-1, norm_eval=False, with_cp=False,
                  fast_train=True, memory_policy=dict(max_elems=2 ** 20, devices=('cpu',)), init_cfg=None,
-                 recompute=None):
+                 recompute=None, fast_compile=True):
         super().__init__(init_cfg=init_cfg)
         fast_train = renamed_argument(type(self).__name__, 'recompute', 'fast_train', recompute, fast_train)
         dim, depth, heads = self._init_arch(arch, ('embed_dims', 'num_layers', 'num_heads'), per_stage=False)
@@ -218,6 +230,7 @@ class ViT3(PyramidBackbone):
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self._init_pyramid(in_channels, [dim] * depth, out_indices, frozen_stages, norm_eval, with_cp, None,
                            memory_policy, weight_init=_init_linear_and_ln)
+        set_fast_compile(self, fast_compile)
 
     @property
     def layers(self):

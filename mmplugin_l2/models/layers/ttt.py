@@ -44,12 +44,14 @@ class TTTAttention(nn.Module):
         lr (float): inner learning rate. Default: 1.0.
         fast_train (bool): in training, keep only the qkv tokens for backward and recompute the inner
             models there (`TTTCore`); same gradients, far less memory. Default: True.
+        fast_compile (bool): inside a block recomputed by `with_cp`, run the inner models compiled by
+            inductor where `ops.ttt.TTT` declares it (`ops.compiled`; the first step compiles). Default: True.
     """
 
     #: pieces of tokens; the unit is elements of the (B, tokens, C) input
     memory_policy = DEFAULT_POLICY
 
-    def __init__(self, dim, num_heads, qkv_bias=True, scale=1 / 3, lr=1.0, fast_train=True):
+    def __init__(self, dim, num_heads, qkv_bias=True, scale=1 / 3, lr=1.0, fast_train=True, fast_compile=True):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f'dim {dim} is not divisible by num_heads {num_heads}')
@@ -59,6 +61,7 @@ class TTTAttention(nn.Module):
         self.scale = scale
         self.lr = lr
         self.fast_train = fast_train
+        self.fast_compile = fast_compile
         self.qkv = nn.Linear(dim, dim * 3 + d * 3, bias=qkv_bias)
         self.w1 = nn.Parameter(torch.zeros(1, num_heads, d, d))
         self.w2 = nn.Parameter(torch.zeros(1, num_heads, d, d))

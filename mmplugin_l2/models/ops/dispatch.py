@@ -20,7 +20,8 @@ layer re-decides. Its inputs:
 * whether the op runs inside a recomputed region (`recomputing`: a block under the backbone's `with_cp`, or a
   recomputed branch): there an op's checkpoint path would recompute it a second time in backward for memory the
   region's own recomputation already bounds, so it gets the reference instead (kept for backward only while
-  that region's backward runs).
+  that region's backward runs), or the reference compiled (`ops.compiled`) where the op declares it
+  (`Supports.compiled`) and the module's `fast_compile` switch is on.
 
 Anything else is the reference, which is always correct.
 """
@@ -33,11 +34,11 @@ from .dtypes import HALF_DTYPES, autocast_on, compute_dtype_of
 from .export import exporting
 from .tokens import channels_last
 
-REFERENCE, INFERENCE, TRAIN, CHECKPOINT = 'reference', 'inference', 'train', 'checkpoint'
+REFERENCE, INFERENCE, TRAIN, CHECKPOINT, COMPILED = 'reference', 'inference', 'train', 'checkpoint', 'compiled'
 
 
 class Path(NamedTuple):
-    """The implementation an op runs: `impl` one of 'reference', 'inference', 'train', 'checkpoint'; `piece`
+    """The implementation an op runs: `impl` one of 'reference', 'inference', 'train', 'checkpoint', 'compiled'; `piece`
     the elements per piece (the op's own unit, see `MemoryPolicy`) or None for whole maps."""
     impl: str
     piece: Optional[int] = None
@@ -80,10 +81,13 @@ class Fast(NamedTuple):
 class Supports(NamedTuple):
     """An op's fast paths, declared by the op (e.g. `ops.mlp.CONV_MLP`): `inference` and `train` are a
     `Fast` or None (no such path); `checkpoint`: where the train path does not apply in training, the
-    reference is recomputed in backward instead of kept."""
+    reference is recomputed in backward instead of kept; `compiled`: a `Fast` or None, where the op's reference
+    compiled (`ops.compiled`) runs in training inside a recomputed region, with the module's `fast_compile` on
+    (there the train path, where it applies, still comes first)."""
     inference: Optional[Fast] = Fast()
     train: Optional[Fast] = Fast()
     checkpoint: bool = False
+    compiled: Optional[Fast] = None
 
 
 #: an op with an inference fast path and no train path
@@ -201,7 +205,10 @@ def choose(module, x, whole_elems, supports=Supports(), *, modules=(), acts=(), 
     if trains_fast(module):
         fast = supports.train
         path = _path(TRAIN, fast, policy, x, whole_elems) if _takes(fast, x, modules, acts) else None
-        if path is None and supports.checkpoint and not recomputing():
+        if path is None and recomputing():
+            on = getattr(module, 'fast_compile', False) and _takes(supports.compiled, x, modules, acts)
+            return Path(COMPILED, None) if on else Path.reference()
+        if path is None and supports.checkpoint:
             path = Path(CHECKPOINT, None)
         return path or Path.reference()
     return Path.reference()

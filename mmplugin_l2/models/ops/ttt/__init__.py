@@ -1,26 +1,32 @@
 """The TTT layer's op (H-ViT3 / ViT3): `naive` (the maths: the paper's inner step by autograd; the tests' oracle),
 `step` (the inner step's formulas, shared by the rest), `reference` (the inner models on whole maps, plain
 autograd), `pieces` (inference in pieces of tokens, without autograd), `train` (`TTTCore`: closed-form backward,
-pieces of tokens). `ttt_attention` runs the one the `Path` of `ops.dispatch.choose` names; `TTT` declares what
-the fast paths support."""
+pieces of tokens), `compiled_ttt_core` (the reference compiled by inductor, `ops.compiled`). `ttt_attention` runs
+the one the `Path` of `ops.dispatch.choose` names; `TTT` declares what the fast paths support."""
 import torch
 
-from ..dispatch import CHECKPOINT, INFERENCE, TRAIN, Fast, Supports
+from ..compiled import Compiled
+from ..dispatch import CHECKPOINT, COMPILED, INFERENCE, TRAIN, Fast, Supports
 from .pieces import proj_input, ttt_core_pieces, ttt_inference
 from .reference import (dwconv_inner_grad, dwconv_per_sample, normalize_inner_grad, swiglu_inner_grads, tap_sums,
                         ttt_core)
 from .train import TTTCore, ttt_core_backward
 
-__all__ = ['TTT', 'TTTCore', 'dwconv_inner_grad', 'dwconv_per_sample', 'normalize_inner_grad', 'swiglu_inner_grads',
+__all__ = ['TTT', 'TTTCore', 'compiled_ttt_core', 'dwconv_inner_grad', 'dwconv_per_sample', 'normalize_inner_grad', 'swiglu_inner_grads',
            'proj_input', 'tap_sums', 'ttt_attention', 'ttt_core', 'ttt_core_backward', 'ttt_core_pieces',
            'ttt_inference']
 
 #: inference in pieces / in place, any dtype; the closed-form backward in fp32 / fp64 and under fp16 autocast (its
 #: products in fp16, the token sums and the inner step in fp32: more accurate than the reference there); under bf16
 #: autocast and with half weights the checkpoint path (`TTTCore` recomputing by autograd): in bf16 the closed form
-#: measured no faster on CPU, and its pieces' bf16-rounded token sums make the weight gradients no more accurate
+#: measured no faster on CPU, and its pieces' bf16-rounded token sums make the weight gradients no more accurate.
+#: Inside a block recomputed by `with_cp`, under bf16 autocast on CPU, the compiled reference (fused forward and
+#: backward; measured faster there than the eager reference, for the same memory)
 TTT = Supports(inference=Fast(), train=Fast(half='autocast', compute_dtypes=(torch.float16, torch.float32,
-                                                                             torch.float64)), checkpoint=True)
+                                                                             torch.float64)), checkpoint=True,
+               compiled=Fast(half='autocast', devices=('cpu',), compute_dtypes=(torch.bfloat16,)))
+#: `reference.ttt_core` compiled by inductor on first use (`ops.compiled.Compiled`)
+compiled_ttt_core = Compiled(ttt_core, 'the TTT core (ops.ttt.reference.ttt_core)')
 
 
 def ttt_attention(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, path):
@@ -40,7 +46,8 @@ def ttt_attention(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr,
         lr (float): the inner learning rate.
         path (Path): from `ops.dispatch.choose` with `TTT` (pieces in elements of (B, tokens, C)): 'inference'
             runs `ttt_inference` (qkv and proj inside, piece by piece), 'train' `TTTCore` with the closed-form
-            backward, 'checkpoint' `TTTCore` recomputing by autograd, else the reference.
+            backward, 'checkpoint' `TTTCore` recomputing by autograd, 'compiled' `compiled_ttt_core`, else the
+            reference.
 
     Returns:
         Tensor: (B, N, C).
@@ -50,6 +57,8 @@ def ttt_attention(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr,
     args = (qkv(x), rot, w1, w2, w3, hw_shape, num_heads, scale, lr)
     if path.impl in (TRAIN, CHECKPOINT):
         y = TTTCore.apply(*args, path.piece, path.impl == TRAIN)
+    elif path.impl == COMPILED:
+        y = compiled_ttt_core(*args)
     else:
         y = ttt_core(*args)
     return proj(proj_input(y, proj))

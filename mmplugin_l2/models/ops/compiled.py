@@ -1,0 +1,40 @@
+"""Compiled fast paths: an op's reference compiled by inductor (vectorised C++ on CPU, Triton on CUDA, from the one
+Python source), its forward and backward fused into few passes over the token maps.
+
+`Compiled(fn, name)` compiles `fn` on its first call (`torch.compile(dynamic=True)`: a new image size does not
+recompile, so multi-scale training compiles once per layer shape; torch's caches keep the compiled code across
+processes, so a later process loads it instead of compiling). Where it cannot compile (no C++ compiler, a torch or
+device inductor does not support) it warns once and runs `fn` itself from then on: same values, eager speed. An
+error of `fn` itself (a wrong input) is raised as `fn` raises it.
+
+The compiled form keeps what autograd through the reference keeps, so `ops.dispatch.choose` gives it only inside a
+recomputed region (a block under `with_cp`), where those tensors live only while that block's backward runs
+(`Supports.compiled`, `Fast` as for the other paths, and the module's `fast_compile` switch).
+"""
+import warnings
+
+import torch
+
+
+class Compiled:
+    """`fn` compiled on first use (see the module docstring); call it as `fn`."""
+
+    def __init__(self, fn, name):
+        self.fn, self.name = fn, name
+        self._compiled, self.failed = None, None
+
+    def __call__(self, *args):
+        if self.failed is None:
+            try:
+                if self._compiled is None:
+                    self._compiled = torch.compile(self.fn, dynamic=True)
+                return self._compiled(*args)
+            except Exception as e:  # noqa: BLE001 (any failure of the compiler: the eager function runs instead)
+                out = self.fn(*args)           # fn's own error on these inputs is raised here, as fn raises it
+                self.failed = f'{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ""}'
+                warnings.warn(f'{self.name}: torch.compile could not compile it ({self.failed[:300]}); the eager '
+                              f'{self.name} runs instead from now on (same values, without the fused passes). '
+                              f'Pass fast_compile=False to the backbone to skip the attempt.', RuntimeWarning,
+                              stacklevel=2)
+                return out
+        return self.fn(*args)

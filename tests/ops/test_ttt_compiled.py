@@ -1,0 +1,77 @@
+"""`ops.ttt.compiled_ttt_core` (`ops.compiled.Compiled`: the TTT core's reference compiled by inductor, the path
+`ops.ttt.TTT` declares inside `with_cp` blocks under bf16 autocast) against the naive form in float64 and under
+bf16 autocast, and its eager fallback where torch.compile fails. Apart from tests/ops/test_ttt.py so that
+pytest-xdist can run its compilations beside that file."""
+import pytest
+import torch
+
+import mmplugin_l2.models.ops.ttt as ttt_op
+from mmplugin_l2.models.ops.ttt import ttt_core
+from mmplugin_l2.models.ops.ttt.naive import ttt_core_naive
+from ops.harness import assert_autocast_no_worse, assert_matches_naive, cast_inputs, half_values
+from ops.test_ttt import HW, _core, _core_inputs, _rot
+
+
+def test_compiled_core_matches_naive():
+    """`compiled_ttt_core` (the reference compiled by inductor, dynamic shapes) = the naive form in float64: values
+    and the gradients of qkv, W1, W2 and w3, with RoPE; a second map size runs without an error (dynamic)."""
+    rot, nh = _rot(8, True), 2
+    assert_matches_naive(_core(ttt_op.compiled_ttt_core, rot, nh), _core(ttt_core_naive, rot, nh),
+                         _core_inputs(nh=nh, d=4))
+    hw = (3, 6)
+    rot = _rot(8, True, hw)
+    assert_matches_naive(_core(ttt_op.compiled_ttt_core, rot, nh, hw), _core(ttt_core_naive, rot, nh, hw),
+                         _core_inputs(nh=nh, d=4, hw=hw))
+    assert ttt_op.compiled_ttt_core.failed is None
+
+
+def test_compiled_core_under_bf16_autocast_no_worse_than_the_reference():
+    """Under bf16 autocast (where `TTT` declares the compiled path, inside `with_cp` blocks), on bf16 qkv tokens:
+    the compiled reference against the naive form in float64, output and every gradient, no worse than the eager
+    reference under the same autocast (L2 norm; the compiler fuses the elementwise chains and may keep a
+    product's fp32 result where eager rounds it)."""
+    nh, d, b, dtype = 2, 4, 2, torch.bfloat16
+    rot = _rot(nh * d, True)
+    rot32 = rot.to(torch.complex64)
+    g = torch.Generator().manual_seed(0)
+    inputs = [half_values(torch.randn(b, HW[0] * HW[1], 3 * nh * d + 3 * d, generator=g, dtype=torch.float64)
+                          .requires_grad_(), dtype)]
+    inputs += [(torch.randn(*s, generator=g, dtype=torch.float64) * .3).requires_grad_()
+               for s in ((1, nh, d, d), (1, nh, d, d), (d, 1, 3, 3))]
+    e_fast, _ = assert_autocast_no_worse(cast_inputs(_core(ttt_op.compiled_ttt_core, rot32, nh), dtype),
+                                         cast_inputs(_core(ttt_core, rot32, nh), dtype),
+                                         _core(ttt_core_naive, rot, nh), inputs, dtype, norm='l2')
+    assert max(e_fast) < 5e-2, e_fast
+
+
+def test_compile_failure_warns_once_and_runs_eager(monkeypatch):
+    """Where torch.compile fails (no C++ compiler, an unsupported torch), `Compiled` warns once, saying what failed
+    and how to turn it off, and runs the eager function from then on (same values); an error of the function
+    itself on its inputs is raised as the function raises it, without a warning."""
+    import warnings
+
+    from mmplugin_l2.models.ops.compiled import Compiled
+
+    def no_compiler(fn, **kwargs):
+        def fail(*args):
+            raise RuntimeError('InvalidCxxCompiler: No working C++ compiler found\nmore')
+        return fail
+    monkeypatch.setattr(torch, 'compile', no_compiler)
+    core = Compiled(ttt_core, 'the TTT core')
+    rot, nh = _rot(8, True), 2
+    inputs = _core_inputs(nh=nh, d=4)
+    with pytest.warns(RuntimeWarning, match=r'the TTT core: torch.compile could not compile it \(RuntimeError: '
+                                            r'InvalidCxxCompiler: No working C\+\+ compiler found\).*'
+                                            r'fast_compile=False'):
+        out = _core(core, rot, nh)(*inputs)
+    assert torch.equal(out, _core(ttt_core, rot, nh)(*inputs)) and core.failed.startswith('RuntimeError')
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        assert torch.equal(_core(core, rot, nh)(*inputs), out)          # no second warning
+
+    def wrong(x):
+        raise ValueError('bad input')
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        with pytest.raises(ValueError, match='bad input'):
+            Compiled(wrong, 'f')(torch.zeros(1))
