@@ -270,12 +270,15 @@ def test_render_is_deterministic_and_computes_medians_ranges_ratios_and_crossove
         bm.replace_section('no markers', md)
 
 
-def test_committed_page_is_render_of_the_committed_results():
-    """docs/benchmark.md's generated section is exactly `render` of docs/benchmark_results.json."""
+@pytest.mark.parametrize('page,results', [('benchmark.md', 'benchmark_results.json'),
+                                          ('benchmark_steady.md', 'benchmark_steady.json')])
+def test_committed_page_is_render_of_the_committed_results(page, results):
+    """docs/benchmark.md's generated section is exactly `render` of docs/benchmark_results.json, and
+    docs/benchmark_steady.md's that of docs/benchmark_steady.json."""
     from mmplugin_l2.analysis import benchmark as bm
-    with open(f'{ROOT}/docs/benchmark_results.json') as f:
+    with open(f'{ROOT}/docs/{results}') as f:
         res = json.load(f)
-    with open(f'{ROOT}/docs/benchmark.md') as f:
+    with open(f'{ROOT}/docs/{page}') as f:
         doc = f.read()
     assert bm.replace_section(doc, bm.render(res)) == doc
 
