@@ -81,7 +81,8 @@ def allocator_env(name, base=None, dirs=None):
         if path is None:
             pkg = {'jemalloc': 'libjemalloc2', 'tcmalloc': 'libtcmalloc-minimal4'}[name]
             where = ', '.join(dirs) if dirs is not None else ', '.join(LIB_DIRS) + ' or the linker cache'
-            raise ValueError(f'allocator {name!r}: {" / ".join(spec)} not found in {where}; install it (Debian / Ubuntu: {pkg}; conda: {name}) or use the allocator '
+            raise ValueError(f'allocator {name!r}: {" / ".join(spec)} not found in {where}; install it '
+                             f'(Debian / Ubuntu: {pkg}; conda: {name}) or use the allocator '
                              f'caching (glibc keeping freed memory)')
         env['LD_PRELOAD'] = ' '.join(p for p in (path, env.get('LD_PRELOAD')) if p)
     else:

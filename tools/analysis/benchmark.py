@@ -5,7 +5,8 @@ and plot are generated.
 
     python tools/analysis/benchmark.py run [--suite headline|detection|all] [--models ...] [--sizes 224 800x1344 ...]
         [--batches 1 2] [--kinds infer train maxbatch] [--precision fp32 tf32 bf16 fp16] [--rounds 3]
-        [--allocator glibc caching live jemalloc tcmalloc] [--warmup 2] [--iters 3] [--budget-mb 8000] [--device cpu|cuda] [--authors-code FAMILY=PATH ...]
+        [--allocator glibc caching live jemalloc tcmalloc] [--warmup 2] [--iters 3] [--budget-mb 8000]
+        [--device cpu|cuda] [--authors-code FAMILY=PATH ...]
         [--timeout S] [--smoke] --out results.json
     python tools/analysis/benchmark.py merge a.json b.json ... --out results.json
     python tools/analysis/benchmark.py render results.json [--doc docs/benchmark.md] [--plot docs/benchmark.png]

@@ -12,7 +12,8 @@ from .reference import (dwconv_inner_grad, dwconv_per_sample, normalize_inner_gr
                         ttt_core)
 from .train import TTTCore, ttt_core_backward
 
-__all__ = ['TTT', 'TTTCore', 'compiled_ttt_core', 'dwconv_inner_grad', 'dwconv_per_sample', 'normalize_inner_grad', 'swiglu_inner_grads',
+__all__ = ['TTT', 'TTTCore', 'compiled_ttt_core', 'dwconv_inner_grad', 'dwconv_per_sample', 'normalize_inner_grad',
+           'swiglu_inner_grads',
            'proj_input', 'tap_sums', 'ttt_attention', 'ttt_core', 'ttt_core_backward', 'ttt_core_pieces',
            'ttt_inference']
 
