@@ -421,15 +421,18 @@ def test_detector_iteration_under_bf16(tmp_path):
     """A whole detector's training iteration (`mask_rcnn_hvit3_t`, our config, 128x160, batch 1): under bf16
     autocast mmcv's RoIAlign has no bf16 kernel, so the iteration stops at the first RoI unless
     `mmcv_ops_in_fp32` runs it in fp32; with it the loss is finite, every trainable parameter that took part
-    gets a gradient, and the benchmark measures it (its `train` kind), the RoI features in bf16."""
+    gets a gradient, and the benchmark measures it (its `train` kind), the RoI features in bf16; overrides of
+    the backbone's arguments reach the detector's backbone (here `fast_compile=False`: no compilation in this
+    test)."""
     import torch
     from mmplugin_l2.analysis import benchmark as bm
     from mmplugin_l2.analysis.measure import model_loss, precision
     from mmplugin_l2.analysis.models import build_detector, is_detector, mmcv_ops_in_fp32
     assert is_detector('mask_rcnn_hvit3_t') and is_detector('mask_rcnn_hvit3_t@authors')
     assert not is_detector('hvit3_t') and not is_detector('hvit3_t@authors')
-    model, data = build_detector('mask_rcnn_hvit3_t', (128, 160), 1)
+    model, data = build_detector('mask_rcnn_hvit3_t', (128, 160), 1, extra_cfg=dict(fast_compile=False))
     assert model.backbone.with_cp and type(model).__name__ == 'MaskRCNN'
+    assert not any(getattr(m, 'fast_compile', False) for m in model.backbone.modules())
     model.train()
     with pytest.raises((RuntimeError, NotImplementedError), match='BFloat16'):
         with precision('bf16', 'cpu'):
@@ -445,7 +448,7 @@ def test_detector_iteration_under_bf16(tmp_path):
     import mmcv.ops.roi_align  # noqa: F401
     assert sys.modules['mmcv.ops.roi_align'].RoIAlign.forward.__qualname__ == 'RoIAlign.forward'   # restored
     s = bm.measure(dict(model='mask_rcnn_hvit3_t', kind='train', size=[128, 160], batch=1, warmup=0, iters=1,
-                        device='cpu', precision='bf16'))
+                        device='cpu', precision='bf16', cfg=dict(fast_compile=False)))
     assert s['step_ms'] > 0 and s['precision'] == 'bf16' and len(s['steps']) == 1
     with pytest.raises(ValueError, match='only its training iteration'):
         bm.measure(dict(s, kind='infer', size=[128, 160], warmup=0, iters=1, device='cpu'))

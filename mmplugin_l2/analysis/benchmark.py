@@ -161,7 +161,7 @@ def measure(spec):
         if spec['kind'] != 'train':
             raise ValueError(f'{spec["model"]} is a whole detector: only its training iteration is measured '
                              f'(kind train), not {spec["kind"]!r}')
-        model, x = build_detector(spec['model'], size, batch, spec.get('authors_roots'), dev)
+        model, x = build_detector(spec['model'], size, batch, spec.get('authors_roots'), dev, spec.get('cfg'))
     else:
         model = build(spec['model'], spec.get('cfg'), size=size, authors_roots=spec.get('authors_roots'),
                       tiny=spec.get('tiny', False)).to(dev)

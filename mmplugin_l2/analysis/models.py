@@ -70,11 +70,12 @@ def mmcv_ops_in_fp32():
         roi_align.RoIAlign.forward, nms.NMSop.forward = saved[0], staticmethod(saved[1])
 
 
-def build_detector(name, size, batch, authors_roots=None, device='cpu'):
+def build_detector(name, size, batch, authors_roots=None, device='cpu', extra_cfg=None):
     """The whole detector `name` (`is_detector`) built from its config with random weights (no pretrained
     backbone), and one training batch for it: `batch` random (3, H, W) images with random boxes and masks
     (mmdet.testing.demo_mm_inputs, 80 classes, 5 objects each), run through the config's data preprocessor (which
-    moves it to `device`, where the model goes).
+    moves it to `device`, where the model goes). `extra_cfg`: overrides of the config's backbone arguments (ours,
+    not the authors' backbone of `<name>@authors`).
 
     Returns:
         tuple: (model, the preprocessed batch as `model(**batch, mode='loss')` takes it).
@@ -89,6 +90,8 @@ def build_detector(name, size, batch, authors_roots=None, device='cpu'):
     cfg = load_config(DETECTORS[base][0])
     init_default_scope('mmdet')
     cfg.model.backbone.init_cfg = None
+    if extra_cfg and base == name:
+        cfg.model.backbone.update(extra_cfg)
     model = REG.build(cfg.model)
     if base != name:
         model.backbone = build(DETECTOR_AUTHORS[base] + AUTHORS_TAG, size=size, authors_roots=authors_roots)
