@@ -125,6 +125,17 @@ def sample_allocator(s):
     return s.get('allocator') or 'glibc'
 
 
+def variant_fields(spec):
+    """The fields that say a spec's (or sample's) precision and allocator where they are not the defaults
+    (fp32, glibc): what a spec of `schedule` and every sample made from it carry."""
+    out = {}
+    if sample_precision(spec) != 'fp32':
+        out['precision'] = spec['precision']
+    if sample_allocator(spec) != 'glibc':
+        out['allocator'] = spec['allocator']
+    return out
+
+
 def check_allocator(name, env=None):
     """Raise RuntimeError unless this process runs under the allocator `name` (its environment has what
     measure.allocator_env sets), so that a sample never records an allocator it did not run under."""
@@ -157,7 +168,8 @@ def measure(spec):
     torch.manual_seed(0)
     dev = torch.device(spec['device'])
     size, batch, prec = tuple(spec['size']), spec['batch'], spec.get('precision', 'fp32')
-    if is_detector(spec['model']):
+    detector = is_detector(spec['model'])
+    if detector:
         if spec['kind'] != 'train':
             raise ValueError(f'{spec["model"]} is a whole detector: only its training iteration is measured '
                              f'(kind train), not {spec["kind"]!r}')
@@ -167,18 +179,14 @@ def measure(spec):
                       tiny=spec.get('tiny', False)).to(dev)
         x = torch.randn(batch, 3, *size, device=dev)
     s = dict(model=spec['model'], kind=spec['kind'], size=list(size), batch=batch, round=spec.get('round', 0),
-             params=sum(p.numel() for p in model.parameters()))
-    if prec != 'fp32':
-        s['precision'] = prec
-    if sample_allocator(spec) != 'glibc':
-        s['allocator'] = spec['allocator']
+             params=sum(p.numel() for p in model.parameters()), **variant_fields(spec))
     if spec.get('cfg'):
         s['cfg'] = spec['cfg']
     if spec['kind'] == 'infer':
         med, times, mem = measure_infer(model, x, spec['warmup'], spec['iters'], prec)
         s.update(latency_ms=med, times_ms=times, throughput=batch / med * 1e3, peak_mem_mb=mem)
     elif spec['kind'] == 'train':
-        with mmcv_ops_in_fp32() if is_detector(spec['model']) else contextlib.nullcontext():
+        with mmcv_ops_in_fp32() if detector else contextlib.nullcontext():
             steps, mem = train_steps(model, x, spec['warmup'], spec['iters'], prec=prec, device=dev)
         s.update({k: statistics.median(st[k] for st in steps) for k in steps[0]})
         s.update(step_ms=s.pop('total_ms'), steps=steps, peak_mem_mb=mem)
@@ -191,17 +199,11 @@ def run_subprocess(spec, timeout=None, python=sys.executable):
     """`measure(spec)` in a fresh Python process, under the spec's allocator (measure.allocator_env); the sample,
     or the spec's fields with `error` (one line: an exception, a kill by the OS, a timeout)."""
     base = {k: spec[k] for k in ('model', 'kind', 'size', 'batch')}
-    base['round'] = spec.get('round', 0)
-    if sample_precision(spec) != 'fp32':
-        base['precision'] = spec['precision']
-    if sample_allocator(spec) != 'glibc':
-        base['allocator'] = spec['allocator']
+    base.update(round=spec.get('round', 0), **variant_fields(spec))
     try:
         env = allocator_env(sample_allocator(spec))
     except ValueError as e:
         return dict(base, error=str(e))
-    if sample_allocator(spec) == 'glibc':
-        env = {k: v for k, v in env.items() if not k.startswith('MALLOC_')}
     samples, failure = run_fresh(['-m', 'mmplugin_l2.analysis.benchmark', json.dumps(spec)], timeout, python, env)
     if samples:
         return samples[-1]
@@ -254,9 +256,7 @@ def schedule(models, sizes, batches, kinds, rounds, precisions=('fp32',), alloca
                 for batch in ([1] if kind == 'maxbatch' else batches):
                     for prec in precisions:
                         for alloc in allocators:
-                            extra = {} if prec == 'fp32' else dict(precision=prec)
-                            if alloc != 'glibc':
-                                extra['allocator'] = alloc
+                            extra = variant_fields(dict(precision=prec, allocator=alloc))
                             out += [dict(model=m, kind=kind, size=list(size), batch=batch, round=r, **extra)
                                     for m in order]
     return out
@@ -309,11 +309,7 @@ def run(specs, common, out_path, results=None, timeout=None, log=print, runner=r
                 s['kind'] = 'maxbatch'
             else:
                 s = dict({k: spec[k] for k in ('model', 'kind', 'size', 'round')}, batch=0,
-                         error=f'batch 1 does not fit {spec["budget_mb"]} MB')
-                if sample_precision(spec) != 'fp32':
-                    s['precision'] = spec['precision']
-                if sample_allocator(spec) != 'glibc':
-                    s['allocator'] = spec['allocator']
+                         error=f'batch 1 does not fit {spec["budget_mb"]} MB', **variant_fields(spec))
             s.update(budget_mb=spec['budget_mb'], probes={str(k): v for k, v in probes.items()})
         else:
             s = runner(spec, timeout=timeout)

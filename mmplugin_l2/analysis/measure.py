@@ -71,10 +71,12 @@ def find_library(names, dirs=None):
 def allocator_env(name, base=None, dirs=None):
     """The environment (a copy of `base`, default os.environ) of a fresh process that runs under the allocator
     `name` (ALLOCATORS); ValueError (one line) for an unknown name or a library that is not installed (looked for
-    by `find_library` in `dirs`)."""
+    by `find_library` in `dirs`). glibc's default has none of glibc's MALLOC_ tunables."""
     if name not in ALLOCATORS:
         raise ValueError(f'allocator {name!r}; allowed: {", ".join(ALLOCATORS)}')
     env = dict(os.environ if base is None else base)
+    if name == 'glibc':
+        return {k: v for k, v in env.items() if not k.startswith('MALLOC_')}
     spec = ALLOCATORS[name]
     if isinstance(spec, tuple):
         path = find_library(spec, dirs)

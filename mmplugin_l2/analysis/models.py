@@ -18,16 +18,16 @@ import torch.nn as nn
 
 from . import authors
 from .table import (AUTHORS_TAG, DETECTOR_AUTHORS, DETECTORS, LABELS, MODELS, PLAIN_ATTENTION,  # noqa: F401
-                    TINY, build_ours, label)
+                    TINY, authors_base, build_ours, label)
 
 
 def check_name(name, authors_roots=None):
     """Raise ValueError (one line) unless `name` is a known model; `<name>@authors` also needs the checkout of
     its family in `authors_roots` ({family: path})."""
-    if name.endswith(AUTHORS_TAG) and name[:-len(AUTHORS_TAG)] in DETECTOR_AUTHORS:
-        return check_name(DETECTOR_AUTHORS[name[:-len(AUTHORS_TAG)]] + AUTHORS_TAG, authors_roots)
-    if name.endswith(AUTHORS_TAG):
-        base = name[:-len(AUTHORS_TAG)]
+    base = authors_base(name)
+    if base in DETECTOR_AUTHORS:
+        return check_name(DETECTOR_AUTHORS[base] + AUTHORS_TAG, authors_roots)
+    if base is not None:
         if base not in authors.AUTHORS:
             raise ValueError(f'no authors\' implementation of {base!r}; known: '
                              f'{", ".join(k + AUTHORS_TAG for k in sorted(authors.AUTHORS))}')
@@ -41,7 +41,7 @@ def check_name(name, authors_roots=None):
 
 def is_detector(name):
     """Whether `name` is a whole detector (DETECTORS, or one with the authors' backbone)."""
-    return name in DETECTORS or name.endswith(AUTHORS_TAG) and name[:-len(AUTHORS_TAG)] in DETECTOR_AUTHORS
+    return name in DETECTORS or authors_base(name) in DETECTOR_AUTHORS
 
 
 @contextlib.contextmanager
@@ -52,8 +52,7 @@ def mmcv_ops_in_fp32():
     fp16 kernel does (mmdet's RoI extractor writes them into a map of that dtype)."""
     import mmcv.ops  # noqa: F401
     roi_align, nms = sys.modules['mmcv.ops.roi_align'], sys.modules['mmcv.ops.nms']
-    saved = roi_align.RoIAlign.forward, nms.NMSop.forward
-    roi_forward, nms_forward = saved
+    roi_forward, nms_forward = roi_align.RoIAlign.forward, nms.NMSop.forward
 
     def roi(self, input, rois):
         if input.dtype in (torch.float16, torch.bfloat16):
@@ -67,7 +66,7 @@ def mmcv_ops_in_fp32():
     try:
         yield
     finally:
-        roi_align.RoIAlign.forward, nms.NMSop.forward = saved[0], staticmethod(saved[1])
+        roi_align.RoIAlign.forward, nms.NMSop.forward = roi_forward, staticmethod(nms_forward)
 
 
 def build_detector(name, size, batch, authors_roots=None, device='cpu', extra_cfg=None):
@@ -81,7 +80,7 @@ def build_detector(name, size, batch, authors_roots=None, device='cpu', extra_cf
         tuple: (model, the preprocessed batch as `model(**batch, mode='loss')` takes it).
     """
     check_name(name, authors_roots)
-    base = name[:-len(AUTHORS_TAG)] if name.endswith(AUTHORS_TAG) else name
+    base = authors_base(name) or name
     from mmdet.registry import MODELS as REG
     from mmdet.testing import demo_mm_inputs
     from mmengine.registry import init_default_scope
@@ -153,8 +152,8 @@ def build(name, extra_cfg=None, size=None, authors_roots=None, tiny=False):
         tiny (bool): narrow widths (TINY; not for `<key>@authors`).
     """
     check_name(name, authors_roots)
-    if name.endswith(AUTHORS_TAG):
-        base = name[:-len(AUTHORS_TAG)]
+    base = authors_base(name)
+    if base is not None:
         if size is not None:
             authors.check_size(base, size)
         return authors.build(base, authors_roots[authors.AUTHORS[base][0]])

@@ -74,10 +74,15 @@ PLAIN_ATTENTION = ('deit_t_plain',)
 AUTHORS_TAG = '@authors'
 
 
+def authors_base(name):
+    """The model `<name>@authors` is the authors' counterpart of, None for a name without the tag."""
+    return name[:-len(AUTHORS_TAG)] if name.endswith(AUTHORS_TAG) else None
+
+
 def label(name):
     """The docs' name of `name` (`<name>@authors` -> '<label> (authors' code)')."""
-    if name.endswith(AUTHORS_TAG):
-        base = name[:-len(AUTHORS_TAG)]
+    base = authors_base(name)
+    if base is not None:
         if base in DETECTOR_AUTHORS:
             return f'{label(base).split(" (")[0]} (the authors\' backbone, their recipe)'
         return f'{label(base)} (authors\' code)'
