@@ -822,6 +822,31 @@ def test_op_profile_names_each_ops_path_and_the_dtypes_its_products_ran_in():
     assert 'backward ms' not in opprofile.table(infer)
 
 
+def test_op_profile_bounds_count_what_a_step_must_move_at_least():
+    """`bounds=True` on a model of one Linear(8, 16) over (1, 3, 4, 8) inputs: its least bytes are counted by hand
+    (training: 3 x inputs + 2 x outputs + 3 x parameters, bf16 outputs under bf16 autocast; inference: each once),
+    its multiply-adds are 3 x 1*3*4*8*16 in training, and its bound is the longer of bytes at the measured copy
+    bandwidth and multiply-adds at the measured matmul peak; the table shows the columns."""
+    import torch
+    import torch.nn as nn
+    from mmplugin_l2.analysis import opprofile
+    model, x = nn.Sequential(nn.Linear(8, 16)), torch.randn(1, 3, 4, 8)
+    inp, params, macs = 96 * 4, (8 * 16 + 16) * 4, 1 * 3 * 4 * 8 * 16
+    for prec, kind, out, want_bytes, want_macs in (
+            ('fp32', 'train', 192 * 4, 3 * inp + 2 * 192 * 4 + 3 * params, 3 * macs),
+            ('bf16', 'train', 192 * 2, 3 * inp + 2 * 192 * 2 + 3 * params, 3 * macs),
+            ('fp32', 'infer', 192 * 4, inp + 192 * 4 + params, macs)):
+        res = opprofile.profile_ops(model, x, kind, prec, warmup=0, by='module', bounds=True)
+        row = next(r for r in res['rows'] if r['modules'] == ['0'])
+        assert (row['bytes'], row['macs']) == (want_bytes, want_macs), (prec, kind, row)
+        bw, peak = res['bandwidth_gbs'] * 1e9, res['peak_gmacs'] * 1e9
+        assert bw > 1e8 and peak > 1e8
+        assert row['bound_ms'] == pytest.approx(max(want_bytes / bw, want_macs / peak) * 1e3)
+        md = opprofile.table(res)
+        assert '| least MB | bound ms | × bound |' in md and 'GB/s copy bandwidth' in md.splitlines()[0]
+    assert 'least MB' not in opprofile.table(opprofile.profile_ops(model, x, 'train', 'fp32', warmup=0))
+
+
 def test_profile_ops_tool_prints_the_table(tmp_path, capsys):
     out = tmp_path / 'p.json'
     r = subprocess.run([sys.executable, f'{ROOT}/tools/analysis/profile_ops.py', '--model', 'rest_s', '--tiny',

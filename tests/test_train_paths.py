@@ -37,13 +37,14 @@ BLOCKS = ('TTTBlock', 'LWABlock', 'LGABlock', 'ResTBlock')
 # backward': chosen again by a recomputation in backward; ' (pieces)': in the memory policy's pieces). Each op
 # (module) took exactly these, up to the recomputation; together they took all of them.
 RECOMPUTED_REFERENCE = {'reference', 'reference in backward'}
-#: the stem's and downsamplings' conv chains (no train path) and their BatchNorms (on half maps)
+#: the stem's and downsamplings' conv chains (no train path) and their BatchNorms (on half maps); the downsamplings'
+#: stride-2 depth-wise 3 x 3 convolutions: the depth-wise pass in bf16 (its input gradient in fp32)
 HVIT3_CONVS = dict(CONV_CHAIN={'reference'}, BATCH_NORM={'reference'})
 PATHS = {
     'hvit3_t': dict(
         # TTT: fp16 its closed form (TTTCore, in pieces of tokens), bf16 the checkpoint; ConvMlp: the checkpoint
-        bf16=dict(TTT={'checkpoint'}, CONV_MLP={'checkpoint'}, **HVIT3_CONVS),
-        fp16=dict(TTT={'train (pieces)'}, CONV_MLP={'checkpoint'}, **HVIT3_CONVS)),
+        bf16=dict(TTT={'checkpoint'}, CONV_MLP={'checkpoint'}, DEPTHWISE_CONV={'train'}, **HVIT3_CONVS),
+        fp16=dict(TTT={'train (pieces)'}, CONV_MLP={'checkpoint'}, DEPTHWISE_CONV={'reference'}, **HVIT3_CONVS)),
     'vit3_t': dict(
         # the block calls its plain Mlp itself (not NORM_MLP): `ops.mlp.MLP`, no train path, is checkpointed
         bf16=dict(TTT={'checkpoint'}, MLP={'checkpoint'}),
@@ -91,12 +92,15 @@ TTT_FP16 = {  # the closed form: products in fp16, the token sums (k^T a, q^T dz
     # per-sample convolutions in fp16 (no autograd through the fp32 tap sums)
     **LINEARS, 'fwd bmm': ('P', 'fp32'), 'fwd conv_backward': 'fp32', 'bwd bmm': ('P', 'fp32'), 'bwd conv': 'P',
     'bwd conv_backward': 'fp32'}
-#: the depth-wise pass (bf16): forward and input gradient in bf16, the weight gradient a per-sample convolution in
-#: fp32; torch's kernel (fp16) computes all in the autocast dtype
+#: the depth-wise pass (bf16): forward in bf16; the input gradient in bf16 with stride 1 (torch's, convolution_backward)
+#: and a transposed convolution in fp32 with a stride; the weight gradient a per-sample convolution in fp32 for 7 x 7
+#: kernels and more, else torch's in bf16 (convolution_backward); torch's kernel (fp16) computes all in the autocast
+#: dtype. Each family has stride-1 or small strided kernels among its depth-wise convolutions, so both kinds run.
 DEPTHWISE = dict(bf16={'fwd conv': 'P', 'bwd conv_backward': 'P', 'bwd conv': 'fp32'},
                  fp16={'fwd conv': 'P', 'bwd conv_backward': 'P'})
 PRODUCTS = {
-    'hvit3_t': dict(bf16=dict(TTT=TTT_BF16, CONV_MLP=LINEARS), fp16=dict(TTT=TTT_FP16, CONV_MLP=LINEARS)),
+    'hvit3_t': {prec: dict(TTT=TTT_BF16 if prec == 'bf16' else TTT_FP16, CONV_MLP=LINEARS,
+                           DEPTHWISE_CONV=DEPTHWISE[prec]) for prec in PRECISIONS},
     'vit3_t': dict(bf16=dict(TTT=TTT_BF16, MLP=LINEARS), fp16=dict(TTT=TTT_FP16, MLP=LINEARS)),
     'l2vit_t': {prec: dict(
         # qkv / proj in the autocast dtype, the attention kernel in fp32 on the half q, k, v, forward and backward

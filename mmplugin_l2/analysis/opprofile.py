@@ -19,6 +19,17 @@ dtypes its matrix products, convolutions and attention kernels ran in.
   (a pre-hook on every node of the graph says which one runs), and of the modules it calls below that node's.
 * Times are sums of the aten operators' own times, without the Python between them; the instrumented step is
   slower than a plain one, whose forward and backward are timed first (`plain`) for comparison.
+* *Bounds* (`bounds=True`): the least time an op's step can take on this machine, `bound_ms` = max(bytes /
+  copy bandwidth, multiply-adds / matmul peak), both measured here (`roofline.peak_bandwidth`,
+  `roofline.peak_matmul` in the profile's precision). The bytes are what the op must move at least, counted
+  from its module calls in forward (tensors as they are: bf16 where autocast made them so): in training the
+  forward reads its inputs and parameters and writes its outputs; the backward reads the outputs' gradients, the
+  inputs again (or saved tensors at least as large) and the parameters, and writes the inputs' and the
+  parameters' gradients: 3 inputs + 2 outputs + 3 parameters. Inference: inputs + outputs + parameters. The
+  multiply-adds are the forward's (mmengine's FlopAnalyzer by module, as get_flops.py counts them), three times
+  that in training (recomputation not counted). `× bound` is the op's measured time over its bound: what a
+  fused implementation could still gain at most. An op that runs inside another's module is counted in both;
+  `other` has no bound.
 """
 import collections
 import contextlib
@@ -31,7 +42,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..models.ops import dispatch
 from .measure import PRECISIONS, clock, output_loss, precision
-from .roofline import layers
+from .roofline import layers, peak_bandwidth, peak_matmul, tensor_bytes
 
 KINDS = ('train', 'infer')
 DTYPE_NAMES = {torch.float32: 'fp32', torch.bfloat16: 'bf16', torch.float16: 'fp16', torch.float64: 'fp64'}
@@ -106,6 +117,7 @@ class _Tracker:
         self.stack, self.starts, self.phase, self.nodes = [()], [], 'forward', nodes
         self.node_owner, self.bwd_owner, self._node_hooks = {}, (), []
         self.calls = collections.Counter()
+        self.bytes = collections.Counter()       # module name -> bytes of its forward calls' inputs and outputs
         self.choices = collections.defaultdict(collections.Counter)   # module name -> {(supports, phase, path): n}
         self.recorder = _Recorder(self.owner, device)
         self._leaf = torch.zeros((), requires_grad=True)
@@ -152,6 +164,10 @@ class _Tracker:
 
     def _post(self, module, args, out):
         stack, start = self.stack.pop(), self.starts.pop()
+        if self.phase == 'forward':
+            name = stack[-1]
+            self.bytes[name + ' in'] += tensor_bytes(args)
+            self.bytes[name + ' out'] += tensor_bytes(out)
         if start is not None:
             for s in range(start + 1, self._seq()):   # inner calls ended first and took theirs
                 self.node_owner.setdefault(s, stack)
@@ -222,7 +238,7 @@ def _step(model, x, kind, prec, tracker=None):
     return t1 - t0, t2 - t1
 
 
-def profile_ops(model, x, kind='train', prec='fp32', warmup=1, by='group'):
+def profile_ops(model, x, kind='train', prec='fp32', warmup=1, by='group', bounds=False):
     """The per-op profile of `model` on `x` (see the module docstring).
 
     Args:
@@ -233,11 +249,14 @@ def profile_ops(model, x, kind='train', prec='fp32', warmup=1, by='group'):
         warmup (int): plain steps before the timed plain step and the instrumented one.
         by (str): rows per 'group' (`op_group`: stage and class, with the op's Supports) or per
             'module' (each op's module by name).
+        bounds (bool): also each op's least bytes, multiply-adds and bound (see the module docstring),
+            against this machine's copy bandwidth and matmul peak, measured first.
 
     Returns:
         dict: kind, precision, plain (forward_ms, backward_ms of a plain step), instrumented (the same summed
         over the aten operators), rows (dicts: op, modules, calls, paths {'<supports>: <path>[ in backward]':
-        count}, forward_ms, backward_ms, products {'fwd'|'bwd': {'<operator> <dtypes>': count}}), by time.
+        count}, forward_ms, backward_ms, products {'fwd'|'bwd': {'<operator> <dtypes>': count}}; with
+        `bounds`: bytes, macs, bound_ms), by time; with `bounds` also bandwidth_gbs, peak_gmacs.
     """
     if kind not in KINDS:
         raise ValueError(f'kind {kind!r}; allowed: {", ".join(KINDS)}')
@@ -245,6 +264,10 @@ def profile_ops(model, x, kind='train', prec='fp32', warmup=1, by='group'):
         raise ValueError(f'precision {prec!r}; allowed: {", ".join(PRECISIONS)}')
     if by not in ('group', 'module'):
         raise ValueError(f'by {by!r}; allowed: group, module')
+    machine = {}
+    if bounds:    # before the model's steps fill the heap
+        machine = dict(bandwidth_gbs=peak_bandwidth(device=x.device) / 1e9,
+                       peak_gmacs=peak_matmul(device=x.device, prec=prec) / 1e9)
     model.train(kind == 'train')
     for _ in range(warmup):
         _step(model, x, kind, prec)
@@ -252,8 +275,36 @@ def profile_ops(model, x, kind='train', prec='fp32', warmup=1, by='group'):
     tracker = _Tracker(model, x.device, nodes=kind == 'train')
     with tracker.active():
         _step(model, x, kind, prec, tracker)
-    return dict(kind=kind, precision=prec, by=by,
-                plain=dict(forward_ms=plain[0] * 1e3, backward_ms=plain[1] * 1e3), **_rows(model, tracker, by))
+    res = dict(kind=kind, precision=prec, by=by, plain=dict(forward_ms=plain[0] * 1e3, backward_ms=plain[1] * 1e3),
+               **machine, **_rows(model, tracker, by))
+    if bounds:
+        _add_bounds(res, model, x, tracker)
+    return res
+
+
+def _add_bounds(res, model, x, tracker):
+    """Each row's least bytes, multiply-adds and bound_ms (the module docstring), in place."""
+    from .roofline import _flops
+    train = res['kind'] == 'train'
+    was_training = model.training
+    model.eval()        # the forward's multiply-adds, traced on the paths a tracer counts (as roofline.py)
+    try:
+        with torch.no_grad():
+            _, macs_of = _flops(model, x)
+    finally:
+        model.train(was_training)
+    modules = dict(model.named_modules())
+    bw, peak = res['bandwidth_gbs'] * 1e9, res['peak_gmacs'] * 1e9
+    for r in res['rows']:
+        if not r['modules']:
+            r.update(bytes=0, macs=0, bound_ms=None)
+            continue
+        ins = sum(tracker.bytes[n + ' in'] for n in r['modules'])
+        outs = sum(tracker.bytes[n + ' out'] for n in r['modules'])
+        params = sum(tensor_bytes(tuple(modules[n].parameters())) * tracker.calls[n] for n in r['modules'])
+        macs = sum(macs_of.get(n, 0) for n in r['modules']) * (3 if train else 1)
+        nbytes = 3 * ins + 2 * outs + 3 * params if train else ins + outs + params
+        r.update(bytes=nbytes, macs=macs, bound_ms=max(nbytes / bw, macs / peak) * 1e3)
 
 
 def _rows(model, tracker, by):
@@ -317,7 +368,7 @@ def product_dtypes(result):
 
 def table(result):
     """The profile as a markdown table (one row per op, by time), with a head line of totals."""
-    train = result['kind'] == 'train'
+    train, bounded = result['kind'] == 'train', 'bandwidth_gbs' in result
     total = sum(r['forward_ms'] + r['backward_ms'] for r in result['rows']) or 1.
     p, i = result['plain'], result['instrumented']
     lines = [f'Plain step: forward {p["forward_ms"]:.1f} ms' + (f', backward {p["backward_ms"]:.1f} ms' if train
@@ -326,8 +377,14 @@ def table(result):
              + (f', backward {i["backward_ms"]:.1f} ms' if train else '') + '. Products by input dtype: '
              + ', '.join(f'{k} ×{n}' for k, n in product_dtypes(result).items()) + '.', '',
              '| op | calls | path | forward ms | ' + ('backward ms | ' if train else '') + 'share | '
-             'matmul / conv / attention dtypes |',
-             '|---|---|---|---|' + ('---|' if train else '') + '---|---|']
+             + ('least MB | bound ms | × bound | ' if bounded else '') + 'matmul / conv / attention dtypes |',
+             '|---|---|---|---|' + ('---|' if train else '') + '---|' + ('---|---|---|' if bounded else '') + '---|']
+    if bounded:
+        lines[0] += (f' Bounds: {result["bandwidth_gbs"]:.1f} GB/s copy bandwidth, {result["peak_gmacs"]:.0f} '
+                     f'GMAC/s {result["precision"]} matmul peak (this machine).')
+        bounded_rows = [r for r in result['rows'] if r['bound_ms']]
+        lines[0] += (f' The ops with a bound: {sum(r["forward_ms"] + r["backward_ms"] for r in bounded_rows):.1f} ms'
+                     f' measured, {sum(r["bound_ms"] for r in bounded_rows):.1f} ms bound.')
 
     def products(r):
         parts = []
@@ -338,7 +395,11 @@ def table(result):
 
     for r in result['rows']:
         paths = ', '.join(f'{k} ×{n}' for k, n in r['paths'].items()) or '–'
-        share = (r['forward_ms'] + r['backward_ms']) / total
+        ms = r['forward_ms'] + r['backward_ms']
+        bound = ''
+        if bounded:
+            b = r['bound_ms']
+            bound = (f'{r["bytes"] / 1e6:.1f} | {b:.2f} | {ms / b:.1f} | ' if b else '– | – | – | ')
         lines.append(f'| {r["op"]} | {r["calls"] or "–"} | {paths} | {r["forward_ms"]:.2f} | '
-                     + (f'{r["backward_ms"]:.2f} | ' if train else '') + f'{share:.1%} | {products(r)} |')
+                     + (f'{r["backward_ms"]:.2f} | ' if train else '') + f'{ms / total:.1%} | {bound}{products(r)} |')
     return '\n'.join(lines) + '\n'

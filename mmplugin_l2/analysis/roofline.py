@@ -70,13 +70,14 @@ def layers(model):
     return out
 
 
-def _nbytes(obj):
+def tensor_bytes(obj):
+    """Bytes of the tensors in `obj` (a tensor, or tuples, lists and dicts of them), as they are stored."""
     if torch.is_tensor(obj):
         return obj.numel() * obj.element_size()
     if isinstance(obj, (tuple, list)):
-        return sum(_nbytes(o) for o in obj)
+        return sum(tensor_bytes(o) for o in obj)
     if isinstance(obj, dict):
-        return sum(_nbytes(o) for o in obj.values())
+        return sum(tensor_bytes(o) for o in obj.values())
     return 0
 
 
@@ -114,7 +115,7 @@ def profile_layers(model, x, prec='fp32'):
             st = stats[g]
             if not m._rl_nested:
                 st['seconds'] += clock(x.device) - m._rl_t
-            st['bytes'] += _nbytes(args) + _nbytes(out) + pbytes
+            st['bytes'] += tensor_bytes(args) + tensor_bytes(out) + pbytes
             st['calls'] += 1
         hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
     try:

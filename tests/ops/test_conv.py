@@ -248,7 +248,8 @@ def test_lcm_pieces_under_autocast(dtype):
 # ------------------------------------------------------------------ the depth-wise training pass
 DW_CASES = [  # (kernel, stride, padding, dilation, batch, (H, W), channels-last)
     (3, 1, 1, 1, 2, (9, 11), True), (7, 1, 3, 1, 1, (13, 10), True), (3, 2, 1, 1, 2, (9, 11), False),
-    (5, 3, 2, 1, 3, (14, 9), True), (3, 1, 2, 2, 2, (8, 7), False)]
+    (5, 3, 2, 1, 3, (14, 9), True), (3, 1, 2, 2, 2, (8, 7), False), (3, 2, 2, 2, 1, (11, 9), True),
+    (9, 8, 4, 1, 2, (17, 26), True)]
 
 
 def _dw_inputs(k, b, hw, cl, c=5, dtype=torch.float64):
@@ -270,13 +271,14 @@ def _dw_conv(s, p, d):
 
 @pytest.mark.parametrize('k,s,p,d,b,hw,cl', DW_CASES)
 def test_depthwise_function_matches_naive(k, s, p, d, b, hw, cl):
-    """`DepthwiseConvFunction` (the weight gradient as a convolution per sample) equals F.conv2d in float64:
-    output and the gradients of input, weight and bias, for strides, paddings, dilations, batches and both
-    layouts."""
+    """`DepthwiseConvFunction` (a large kernel's weight gradient as a convolution per sample, a strided
+    convolution's input gradient as a transposed convolution, torch's kernels for the rest) equals F.conv2d in
+    float64: output and the gradients of input, weight and bias, for kernels, strides (rows and columns the strided
+    output does not reach included), paddings, dilations, batches and both layouts."""
     assert_matches_naive(_dw_function(s, p, d), _dw_conv(s, p, d), _dw_inputs(k, b, hw, cl))
 
 
-@pytest.mark.parametrize('k,s,p,d,b,hw,cl', DW_CASES[:4])
+@pytest.mark.parametrize('k,s,p,d,b,hw,cl', DW_CASES[:4] + DW_CASES[-1:])
 def test_depthwise_function_under_bf16_autocast_no_worse_than_reference(k, s, p, d, b, hw, cl):
     """Under bf16 autocast (the one autocast it is declared for) the function's output and gradients are as close
     to float64 as autocast's own convolution's."""
@@ -287,24 +289,25 @@ def test_depthwise_function_under_bf16_autocast_no_worse_than_reference(k, s, p,
 @pytest.mark.parametrize('autocast,expected', [(torch.bfloat16, 'train'), (torch.float16, 'reference'),
                                                (None, 'reference')])
 def test_depthwise_conv_layer_dispatch(monkeypatch, autocast, expected):
-    """A depth-wise 7x7 `Conv2dCL` trains with `DepthwiseConvFunction` under bf16 autocast on CPU (and on bf16
-    inputs) only: fp32, fp16 autocast, eval mode, a 3x3 depth-wise conv, a non-depth-wise conv and exports take
-    torch's convolution."""
+    """A depth-wise 7x7 `Conv2dCL` and a strided depth-wise 3x3 one train with `DepthwiseConvFunction` under bf16
+    autocast on CPU (and on bf16 inputs) only: fp32, fp16 autocast, eval mode, a 3x3 stride-1 depth-wise conv, a
+    non-depth-wise conv and exports take torch's convolution."""
     calls = record_calls(monkeypatch, conv_op.depthwise, DepthwiseConvFunction='train')
     monkeypatch.setattr('mmplugin_l2.models.layers.conv.DepthwiseConvFunction', conv_op.depthwise.DepthwiseConvFunction)
     dw, full = Conv2dCL(4, 4, 7, padding=3, groups=4), Conv2dCL(4, 4, 7, padding=3)
-    small = Conv2dCL(4, 4, 3, padding=1, groups=4)
+    small, strided = Conv2dCL(4, 4, 3, padding=1, groups=4), Conv2dCL(4, 4, 3, stride=2, padding=1, groups=4)
     x = torch.randn(2, 4, 9, 9, requires_grad=True)
     with torch.autocast('cpu', dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         y = dw(x)
         full(x)
         small(x)
+        strided(full(x))
         dw.eval()
         dw(x)
         dw.train()
         with export_mode():
             dw(x)
-    assert calls.names == ([] if expected == 'reference' else ['train'])
+    assert calls.names == ([] if expected == 'reference' else ['train', 'train'])
     assert y.dtype == (autocast or torch.float32)
     y.float().sum().backward()
     assert dw.weight.grad.dtype == torch.float32 and dw.bias.grad.dtype == torch.float32

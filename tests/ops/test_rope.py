@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from mmplugin_l2.models.ops.rope import apply_rope, rope_heads, rope_heads_backward, rope_tables
+from mmplugin_l2.models.ops.rope import apply_rope, real_table, rope_heads, rope_heads_backward, rope_tables
 
 
 def test_rope_matches_complex_rotation():
@@ -46,3 +46,19 @@ def test_rope_tables_from_inference_mode_serve_training():
     x = torch.randn(1, 16, 8, requires_grad=True)
     apply_rope(x, rot).sum().backward()
     assert x.grad is not None
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64, torch.bfloat16])
+def test_real_table_rotates_as_the_complex_table(dtype):
+    """`real_table` (the (cos, sin) views the compiled TTT core takes): `apply_rope` with it equals the complex
+    rotation to fp32 rounding (fp64 for fp64 tokens), a strided channel slice of bf16 tokens included; a pair and
+    None pass through."""
+    rot = rope_tables(3, 5, 8)
+    x = torch.randn(2, 15, 20, dtype=torch.float64).to(dtype)[..., 4:12]
+    pair = real_table(rot)
+    assert all(t.data_ptr() and t._base is not None for t in pair) and real_table(pair) is pair
+    assert real_table(None) is None
+    got, want = apply_rope(x, pair), apply_rope(x, rot)
+    assert got.dtype == want.dtype
+    eps = torch.finfo(want.dtype).eps
+    torch.testing.assert_close(got, want, rtol=0, atol=4 * eps * want.abs().max().item())

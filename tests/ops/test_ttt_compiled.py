@@ -14,7 +14,10 @@ from ops.test_ttt import HW, _core, _core_inputs, _rot
 
 def test_compiled_core_matches_naive():
     """`compiled_ttt_core` (the reference compiled by inductor, dynamic shapes) = the naive form in float64: values
-    and the gradients of qkv, W1, W2 and w3, with RoPE; a second map size runs without an error (dynamic)."""
+    and the gradients of qkv, W1, W2 and w3, with RoPE; a second map size runs without an error (dynamic). The
+    RoPE table reaches the compiled function as its real pair (`rope.real_table`): one graph, no graph break."""
+    from torch._dynamo.utils import counters
+    counters.clear()
     rot, nh = _rot(8, True), 2
     assert_matches_naive(_core(ttt_op.compiled_ttt_core, rot, nh), _core(ttt_core_naive, rot, nh),
                          _core_inputs(nh=nh, d=4))
@@ -23,6 +26,7 @@ def test_compiled_core_matches_naive():
     assert_matches_naive(_core(ttt_op.compiled_ttt_core, rot, nh, hw), _core(ttt_core_naive, rot, nh, hw),
                          _core_inputs(nh=nh, d=4, hw=hw))
     assert ttt_op.compiled_ttt_core.failed is None
+    assert not counters['graph_break'], dict(counters['graph_break'])
 
 
 def test_compiled_core_under_bf16_autocast_no_worse_than_the_reference():
@@ -75,3 +79,25 @@ def test_compile_failure_warns_once_and_runs_eager(monkeypatch):
         warnings.simplefilter('error')
         with pytest.raises(ValueError, match='bad input'):
             Compiled(wrong, 'f')(torch.zeros(1))
+
+
+def test_compiled_inside_a_recomputation_lets_the_checkpoint_stop_it(monkeypatch):
+    """torch.utils.checkpoint (non-reentrant) stops a recomputation in backward by raising from inside the
+    recomputed code once it has every tensor it needs: where that happens inside a `Compiled` function (the last op
+    of a `with_cp` block), `Compiled` lets it through (no warning, no eager rerun, `failed` stays None) and the
+    gradient is that of the plain function. torch.compile is replaced by the function itself here, which runs the
+    same Python and raises the same way."""
+    import warnings
+
+    from torch.utils.checkpoint import checkpoint
+
+    from mmplugin_l2.models.ops.compiled import Compiled
+    monkeypatch.setattr(torch, 'compile', lambda fn, **kwargs: fn)
+    core = Compiled(lambda t: (t * t).exp(), 'f')
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        checkpoint(lambda t: core(t.sin()), x, use_reentrant=False).sum().backward()
+    assert core.failed is None
+    want = (2 * x.sin() * (x.sin() ** 2).exp() * x.cos()).detach()
+    torch.testing.assert_close(x.grad, want, rtol=1e-12, atol=0)

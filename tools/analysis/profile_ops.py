@@ -4,13 +4,15 @@ matrix products, convolutions and attention kernels actually ran in. Prints a ma
 
     python tools/analysis/profile_ops.py [--model hvit3_t] [--size 800x1344] [--batch 1]
         [--precision fp32|tf32|bf16|fp16] [--kind train|infer] [--by group|module] [--warmup 1]
-        [--device cpu|cuda] [--tiny] [--cfg-options KEY=VALUE ...] [--out profile.json]
+        [--device cpu|cuda] [--tiny] [--bounds] [--cfg-options KEY=VALUE ...] [--out profile.json]
 
 `train`: one training step (forward under the precision's autocast, backward of the summed output means; no
 optimizer step), `infer`: one no-grad forward in eval mode; each after --warmup plain steps and one timed plain
 step (the head line's figures). Rows: one per op (the innermost module that called choose, else a layer of the
 roofline's, else `other`), per stage and class (`--by group`) or per module (`--by module`), by time. What each
-column counts: mmplugin_l2/analysis/opprofile.py. Whole-model step times across models: benchmark.py.
+column counts: mmplugin_l2/analysis/opprofile.py. --bounds adds each op's least bytes (what its forward and
+backward must read and write at least), its bound (those bytes at this machine's copy bandwidth, or its
+multiply-adds at the matmul peak, whichever is longer) and the measured time over the bound. Whole-model step times across models: benchmark.py.
 """
 import argparse
 import json
@@ -37,6 +39,9 @@ def parse_args(argv=None):
     p.add_argument('--warmup', type=int, default=1)
     p.add_argument('--device', default='cpu')
     p.add_argument('--tiny', action='store_true', help='narrow widths (a smoke test)')
+    p.add_argument('--bounds', action='store_true',
+                   help='per op, the least bytes it must move and its bound on this machine (copy bandwidth, '
+                        'matmul peak), and the measured time over it')
     p.add_argument('--cfg-options', nargs='+', type=option_arg, default=[], metavar='KEY=VALUE',
                    help='overrides of our backbones\' arguments, dotted keys nest (e.g. fast_train=False)')
     p.add_argument('--out', help='JSON file of the profile')
@@ -54,7 +59,7 @@ def main(argv=None):
     dev = torch.device(args.device)
     model = build(args.model, nested(dict(args.cfg_options)) or None, size=args.size, tiny=args.tiny).to(dev)
     x = torch.randn(args.batch, 3, *args.size, device=dev)
-    res = opprofile.profile_ops(model, x, args.kind, args.precision, args.warmup, args.by)
+    res = opprofile.profile_ops(model, x, args.kind, args.precision, args.warmup, args.by, bounds=args.bounds)
     res.update(model=args.model, size=list(args.size), batch=args.batch, device=args.device,
                threads=torch.get_num_threads(), tiny=args.tiny, torch=torch.__version__)
     print(f'{args.model}{" (tiny)" if args.tiny else ""} {args.size[0]}x{args.size[1]}, batch {args.batch}, '

@@ -38,23 +38,16 @@ def _init_linear_and_ln(m):
         nn.init.zeros_(m.bias)
 
 
-def set_fast_compile(model, on):
-    """The `fast_compile` switch of every TTT layer of `model`."""
-    for m in model.modules():
-        if isinstance(m, TTTAttention):
-            m.fast_compile = bool(on)
-
-
 class TTTBlock(nn.Module):
     """ViT3 / H-ViT3 block on tokens (B, N, C) of an (H, W) map: CPE, TTT attention (with RoPE when the
     caller passes tables), MLP (ConvMlp in H-ViT3, plain Mlp in ViT3)."""
 
     def __init__(self, dim, num_heads, mlp_ratio=4., qkv_bias=True, drop=0., drop_path=0., norm_eps=1e-5,
-                 conv_mlp=True, fast_train=True):
+                 conv_mlp=True, fast_train=True, fast_compile=True):
         super().__init__()
         self.cpe = CPE(dim)
         self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
-        self.attn = TTTAttention(dim, num_heads, qkv_bias=qkv_bias, fast_train=fast_train)
+        self.attn = TTTAttention(dim, num_heads, qkv_bias=qkv_bias, fast_train=fast_train, fast_compile=fast_compile)
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
         self.mlp = (ConvMlp if conv_mlp else Mlp)(dim, int(dim * mlp_ratio), drop=drop, fast_train=fast_train)
@@ -134,10 +127,10 @@ class HViT3(PyramidBackbone):
         for i, (dim, depth, nh, rates) in enumerate(zip(dims, depths, heads, drop_path_rates(drop_path_rate, depths))):
             self.layers.append(HViT3Stage(
                 dim, depth, nh, out_dim=dims[i + 1] if i + 1 < len(dims) else None, drop_paths=rates,
-                mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop=drop_rate, fast_train=fast_train))
+                mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop=drop_rate, fast_train=fast_train,
+                fast_compile=fast_compile))
         self._init_pyramid(in_channels, dims, out_indices, frozen_stages, norm_eval, with_cp, out_norm_cfg,
                            memory_policy, weight_init=_init_linear_and_ln)
-        set_fast_compile(self, fast_compile)
 
     def forward(self, x):
         x = self.patch_embed(x)
@@ -225,12 +218,11 @@ class ViT3(PyramidBackbone):
         dpr = drop_path_rates(drop_path_rate, [depth])[0]
         self.blocks = nn.ModuleList([
             TTTBlock(dim, heads, mlp_ratio, qkv_bias, drop_rate, dpr[j], norm_eps=1e-6, conv_mlp=False,
-                     fast_train=fast_train)
+                     fast_train=fast_train, fast_compile=fast_compile)
             for j in range(depth)])
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self._init_pyramid(in_channels, [dim] * depth, out_indices, frozen_stages, norm_eval, with_cp, None,
                            memory_policy, weight_init=_init_linear_and_ln)
-        set_fast_compile(self, fast_compile)
 
     @property
     def layers(self):

@@ -1,11 +1,13 @@
 """Compiled fast paths: an op's reference compiled by inductor (vectorised C++ on CPU, Triton on CUDA, from the one
 Python source), its forward and backward fused into few passes over the token maps.
 
-`Compiled(fn, name)` compiles `fn` on its first call (`torch.compile(dynamic=True)`: a new image size does not
+`Compiled(fn, name, prepare)` compiles `fn` on its first call (`torch.compile(dynamic=True)`: a new image size does not
 recompile, so multi-scale training compiles once per layer shape; torch's caches keep the compiled code across
 processes, so a later process loads it instead of compiling). Where it cannot compile (no C++ compiler, a torch or
 device inductor does not support) it warns once and runs `fn` itself from then on: same values, eager speed. An
-error of `fn` itself (a wrong input) is raised as `fn` raises it.
+error of `fn` itself (a wrong input) is raised as `fn` raises it. `prepare` (optional) converts the arguments
+eagerly before every call, compiled or not, into a form that compiles without graph breaks or unsupported kernels
+(e.g. `rope.real_table`: inductor has no complex kernels); `fn` must compute the same function on either form.
 
 The compiled form keeps what autograd through the reference keeps, so `ops.dispatch.choose` gives it only inside a
 recomputed region (a block under `with_cp`), where those tensors live only while that block's backward runs
@@ -14,21 +16,30 @@ recomputed region (a block under `with_cp`), where those tensors live only while
 import warnings
 
 import torch
+import torch.utils.checkpoint
+
+#: exceptions that are not failures: torch.utils.checkpoint stops a recomputation in backward by raising this from
+#: inside the recomputed code (here: the compiled function) once every tensor it needs is recomputed
+_CONTROL_FLOW = tuple(e for e in (getattr(torch.utils.checkpoint, '_StopRecomputationError', None),) if e)
 
 
 class Compiled:
     """`fn` compiled on first use (see the module docstring); call it as `fn`."""
 
-    def __init__(self, fn, name):
-        self.fn, self.name = fn, name
+    def __init__(self, fn, name, prepare=None):
+        self.fn, self.name, self.prepare = fn, name, prepare
         self._compiled, self.failed = None, None
 
     def __call__(self, *args):
+        if self.prepare is not None:
+            args = self.prepare(*args)
         if self.failed is None:
             try:
                 if self._compiled is None:
                     self._compiled = torch.compile(self.fn, dynamic=True)
                 return self._compiled(*args)
+            except _CONTROL_FLOW:
+                raise
             except Exception as e:  # noqa: BLE001 (any failure of the compiler: the eager function runs instead)
                 out = self.fn(*args)           # fn's own error on these inputs is raised here, as fn raises it
                 self.failed = f'{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ""}'

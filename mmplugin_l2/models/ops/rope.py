@@ -61,6 +61,15 @@ def apply_rope(x, rot):
     return torch.view_as_real(_complex(x) * rot).flatten(-2)
 
 
+def real_table(rot):
+    """The real pair (cos, sin) of a complex table of `rope_tables` (views, no copy), which `apply_rope` takes as
+    it takes the export form; a pair or None is returned as it is. For code compiled by inductor, which has no
+    complex kernels: the table is converted outside the compiled function, which then sees no complex tensor."""
+    if rot is None or isinstance(rot, tuple):
+        return rot
+    return tuple(torch.view_as_real(rot).unbind(-1))
+
+
 def rope_heads(x, rot, num_heads):
     """`apply_rope` followed by the head split, written straight into a contiguous (B, H, N, d) tensor
     (the layout its matrix products take without copies); no autograd (an `out=` kernel). x: (B, N, C)."""

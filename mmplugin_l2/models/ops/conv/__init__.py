@@ -3,19 +3,19 @@ LCM as its Eqs. 6-7; the tests' oracle), `reference` (the layers on the whole ma
 of output rows, halo rows recomputed). `conv_chain` runs the one the `Path` of `ops.dispatch.choose` names;
 `CONV_CHAIN` is what the pieces support. `batch_norm` holds BatchNorm2d's accurate CPU training pass
 (`BatchNormCLFunction`), `BATCH_NORM` what it supports; `depthwise` a depth-wise convolution's training pass
-with its weight gradient as a convolution per sample (`DepthwiseConvFunction`; `depthwise_applies`: the convs
-it computes), `DEPTHWISE_CONV` where it runs."""
+with a large kernel's weight gradient as a convolution per sample and a strided convolution's input gradient in
+fp32 (`DepthwiseConvFunction`; `depthwise_applies`: the convs it computes), `DEPTHWISE_CONV` where it runs."""
 import torch
 
 from ..dispatch import INFERENCE, Fast, Supports
 from .batch_norm import BatchNormCLFunction
-from .depthwise import DepthwiseConvFunction, depthwise_applies, depthwise_weight_grad
+from .depthwise import DepthwiseConvFunction, depthwise_applies, depthwise_input_grad, depthwise_weight_grad
 from .pieces import conv_chain_in_pieces
 from .reference import ConvBNAct, conv_chain_reference, conv_layer
 
 __all__ = ['BATCH_NORM', 'BatchNormCLFunction', 'CONV_CHAIN', 'ConvBNAct', 'DEPTHWISE_CONV', 'DepthwiseConvFunction',
            'chain_modules', 'conv_chain', 'conv_chain_in_pieces', 'conv_chain_reference', 'conv_layer',
-           'depthwise_applies', 'depthwise_weight_grad']
+           'depthwise_applies', 'depthwise_input_grad', 'depthwise_weight_grad']
 
 
 #: inference in pieces of rows, not while a BatchNorm of the chain is in train mode (a train-mode norm inside an
@@ -24,7 +24,8 @@ CONV_CHAIN = Supports(inference=Fast(train_norm=False), train=None)
 #: the accurate training pass: fp32 channels-last maps on CPU (elsewhere torch's kernel)
 BATCH_NORM = Supports(inference=None, train=Fast(devices=('cpu',), dtypes=(torch.float32,), channels_last=True))
 #: the depth-wise training pass: computing in bf16 on CPU, where oneDNN's own depth-wise weight gradient of a large
-#: kernel is slower than the per-sample convolution (docs/mixed_precision.md)
+#: kernel is slower than the per-sample convolution, and its bf16 input gradient of a strided one slower than fp32's
+#: (docs/mixed_precision.md)
 DEPTHWISE_CONV = Supports(inference=None, train=Fast(devices=('cpu',), compute_dtypes=(torch.bfloat16,)))
 
 

@@ -1,5 +1,6 @@
-"""A depth-wise convolution's training pass with its weight gradient written as a convolution per sample
-(`DepthwiseConvFunction`); the layer is `layers.conv.Conv2dCL`, which runs it where `depthwise_applies` and
+"""A depth-wise convolution's training pass with the gradients oneDNN computes slowly on CPU written otherwise
+(`DepthwiseConvFunction`): the weight gradient of a large kernel as a convolution per sample, the input gradient of
+a strided convolution in fp32. The layer is `layers.conv.Conv2dCL`, which runs it where `depthwise_applies` and
 `DEPTHWISE_CONV` (in `ops.conv`) say, through `ops.dispatch.choose`.
 
 A depth-wise convolution y = conv(x, W) (groups = C, W (C, 1, kh, kw), stride s, padding p, dilation d) has the
@@ -13,7 +14,14 @@ batch. On CPU, oneDNN's own depth-wise weight gradient is slow on large maps wit
 bf16 than in fp32; the per-sample convolution is oneDNN's depth-wise forward kernel. For bf16 / fp16 x and dy it
 runs in fp32 on their values (exact in fp32), so the weight gradient has no half-precision rounding at all: more
 accurate than autocast's (one bf16 rounding of the whole sum), and still several times faster than it on large
-maps (docs/mixed_precision.md). The input gradient is torch's.
+maps (docs/mixed_precision.md). On kernels smaller than 7 x 7 oneDNN's own weight gradient is the faster one and
+runs instead (`PER_SAMPLE_MIN_KERNEL`).
+
+The input gradient is the transposed convolution of dy with W. oneDNN's bf16 kernel for it is slow on CPU where
+the stride is above 1 (tens of times the forward: a 3 x 3, stride-2 depth-wise convolution on 512 x 200 x 336
+took 136 ms where the forward took 4 ms; in fp32 11 ms, casts included; docs/mixed_precision.md), so for strided
+convolutions it runs as `F.conv_transpose2d` in fp32 on the half dy and W values and is rounded once to the input's
+dtype: the reference's one rounding of the same sum. With stride 1 torch's kernel runs in the compute dtype.
 """
 import torch
 import torch.nn.functional as F
@@ -37,12 +45,29 @@ def depthwise_weight_grad(x, grad, kernel_size, stride=(1, 1), padding=(0, 0), d
     return dw.unsqueeze(1)
 
 
+#: the smallest kernel (both sides) whose weight gradient `DepthwiseConvFunction` computes per sample
+PER_SAMPLE_MIN_KERNEL = 7
+
+
 def depthwise_applies(conv):
     """Whether `DepthwiseConvFunction` computes the nn.Conv2d `conv`: depth-wise (groups = in = out channels), zero
-    padding given as numbers, a kernel of at least 7 x 7 (on 3 x 3 kernels oneDNN's own weight gradient is the
-    faster one: docs/mixed_precision.md)."""
+    padding given as numbers, and a kernel of at least 7 x 7 (its weight gradient per sample) or a stride above 1
+    (its input gradient in fp32); a 3 x 3, stride-1 depth-wise convolution keeps torch's kernels, the faster ones
+    there (docs/mixed_precision.md)."""
     return (conv.groups == conv.in_channels == conv.out_channels and conv.padding_mode == 'zeros'
-            and not isinstance(conv.padding, str) and min(conv.kernel_size) >= 7)
+            and not isinstance(conv.padding, str)
+            and (min(conv.kernel_size) >= PER_SAMPLE_MIN_KERNEL or max(conv.stride) > 1))
+
+
+def depthwise_input_grad(grad, weight, input_hw, stride, padding, dilation):
+    """dx (B, C, H, W) of the depth-wise convolution with weight (C, 1, kh, kw) of an input of size `input_hw`
+    whose output gradient is grad (B, C, H_out, W_out): the transposed convolution, computed in
+    `dtypes.compute_dtype(grad)` (fp32 for bf16 / fp16 grad), the result in that dtype."""
+    dtype = compute_dtype(grad)
+    grad, weight = grad.to(dtype), weight.to(dtype)
+    extra = [n - ((m - 1) * s - 2 * p + d * (k - 1) + 1)          # rows / columns the strided output did not reach
+             for n, m, s, p, d, k in zip(input_hw, grad.shape[2:], stride, padding, dilation, weight.shape[2:])]
+    return F.conv_transpose2d(grad, weight, None, stride, padding, extra, weight.shape[0], dilation)
 
 
 class DepthwiseConvFunction(torch.autograd.Function):
@@ -50,9 +75,11 @@ class DepthwiseConvFunction(torch.autograd.Function):
 
     Computed in the autocast dtype under autocast (x, weight and bias cast once, as autocast casts a convolution's
     arguments), else in x's dtype; the kernel is passed channels-last (as `Conv2dCL`). Backward: the input
-    gradient by torch's convolution backward (in the compute dtype, as autocast's), the weight gradient by
-    `depthwise_weight_grad` and the bias gradient summed in fp32 (fp32 parameters get fp32 gradients, as through
-    autocast's cast). Keeps x and the weight in the compute dtype, as autocast's convolution does."""
+    gradient by `depthwise_input_grad` where the stride is above 1, else by torch's convolution backward (in the
+    compute dtype, as autocast's); the weight gradient by `depthwise_weight_grad` for kernels of at least
+    `PER_SAMPLE_MIN_KERNEL`, else by torch's; the bias gradient summed in fp32 (fp32 parameters get fp32
+    gradients, as through autocast's cast). Keeps x and the weight in the compute dtype, as autocast's
+    convolution does."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, stride, padding, dilation):
@@ -71,15 +98,22 @@ class DepthwiseConvFunction(torch.autograd.Function):
         xc, wc = ctx.saved_tensors
         stride, padding, dilation = ctx.conv
         x_dtype, w_dtype, b_dtype = ctx.dtypes
+        need_x, need_w = ctx.needs_input_grad[:2]
+        transposed = need_x and max(stride) > 1
+        per_sample = need_w and min(wc.shape[2:]) >= PER_SAMPLE_MIN_KERNEL
         with autocast_off(xc.device.type):
             grad = grad.to(xc.dtype)
             dx = dw = db = None
-            if ctx.needs_input_grad[0]:
-                dx = torch.ops.aten.convolution_backward(
-                    grad, xc, wc, None, stride, padding, dilation, False, [0, 0], wc.shape[0],
-                    [True, False, False])[0].to(x_dtype)
-            if ctx.needs_input_grad[1]:
-                dw = depthwise_weight_grad(xc, grad, wc.shape[2:], stride, padding, dilation).to(w_dtype)
+            mask = [need_x and not transposed, need_w and not per_sample, False]
+            if any(mask):        # torch's kernels where they are the faster ones, in the compute dtype
+                dx, dw, _ = torch.ops.aten.convolution_backward(
+                    grad, xc, wc, None, stride, padding, dilation, False, [0, 0], wc.shape[0], mask)
+            if transposed:
+                dx = depthwise_input_grad(grad, wc, xc.shape[2:], stride, padding, dilation)
+            if per_sample:
+                dw = depthwise_weight_grad(xc, grad, wc.shape[2:], stride, padding, dilation)
+            dx = None if dx is None else dx.to(x_dtype)
+            dw = None if dw is None else dw.to(w_dtype)
             if ctx.needs_input_grad[2]:
                 db = grad.sum((0, 2, 3), dtype=compute_dtype(grad)).to(b_dtype)
         return dx, dw, db, None, None, None

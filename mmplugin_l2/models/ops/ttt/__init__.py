@@ -7,6 +7,7 @@ import torch
 
 from ..compiled import Compiled
 from ..dispatch import CHECKPOINT, COMPILED, INFERENCE, TRAIN, Fast, Supports
+from ..rope import real_table
 from .pieces import proj_input, ttt_core_pieces, ttt_inference
 from .reference import (dwconv_inner_grad, dwconv_per_sample, normalize_inner_grad, swiglu_inner_grads, tap_sums,
                         ttt_core)
@@ -26,8 +27,10 @@ __all__ = ['TTT', 'TTTCore', 'compiled_ttt_core', 'dwconv_inner_grad', 'dwconv_p
 TTT = Supports(inference=Fast(), train=Fast(half='autocast', compute_dtypes=(torch.float16, torch.float32,
                                                                              torch.float64)), checkpoint=True,
                compiled=Fast(half='autocast', devices=('cpu',), compute_dtypes=(torch.bfloat16,)))
-#: `reference.ttt_core` compiled by inductor on first use (`ops.compiled.Compiled`)
-compiled_ttt_core = Compiled(ttt_core, 'the TTT core (ops.ttt.reference.ttt_core)')
+#: `reference.ttt_core` compiled by inductor on first use (`ops.compiled.Compiled`), the RoPE table passed as its
+#: real (cos, sin) pair
+compiled_ttt_core = Compiled(ttt_core, 'the TTT core (ops.ttt.reference.ttt_core)',
+                             prepare=lambda qkv, rot, *rest: (qkv, real_table(rot), *rest))
 
 
 def ttt_attention(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, path):
