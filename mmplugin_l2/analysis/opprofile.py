@@ -28,8 +28,8 @@ dtypes its matrix products, convolutions and attention kernels ran in.
   parameters' gradients: 3 inputs + 2 outputs + 3 parameters. Inference: inputs + outputs + parameters. The
   multiply-adds are the forward's (mmengine's FlopAnalyzer by module, as get_flops.py counts them), three times
   that in training (recomputation not counted). `× bound` is the op's measured time over its bound: what a
-  fused implementation could still gain at most. An op that runs inside another's module is counted in both;
-  `other` has no bound.
+  fused implementation could still gain at most. `other` and an op whose module holds other ops (e.g. a block
+  that chooses its MLP branch's path, the branch's own ops then rows of their own) have no bound.
 """
 import collections
 import contextlib
@@ -295,9 +295,12 @@ def _add_bounds(res, model, x, tracker):
         model.train(was_training)
     modules = dict(model.named_modules())
     bw, peak = res['bandwidth_gbs'] * 1e9, res['peak_gmacs'] * 1e9
+    op_modules = [n for r in res['rows'] for n in r['modules']]
     for r in res['rows']:
-        if not r['modules']:
-            r.update(bytes=0, macs=0, bound_ms=None)
+        # `other`, and an op whose module holds other ops (a block choosing its branch's path: its time is what
+        # those ops leave, its inputs and multiply-adds include theirs): no bound
+        if not r['modules'] or any(o.startswith(n + '.') for n in r['modules'] for o in op_modules):
+            r.update(bytes=None, macs=None, bound_ms=None)
             continue
         ins = sum(tracker.bytes[n + ' in'] for n in r['modules'])
         outs = sum(tracker.bytes[n + ' out'] for n in r['modules'])
