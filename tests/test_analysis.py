@@ -851,7 +851,8 @@ def test_op_profile_bounds_count_what_a_step_must_move_at_least():
                                 bounds=True)
     rows = {r['op']: r for r in res['rows']}
     assert [k for k in rows if 'NORM_MLP' in k] and all(rows[k]['bound_ms'] is None for k in rows if 'NORM_MLP' in k)
-    assert [k for k in rows if k.endswith('· MLP')] and all(rows[k]['bound_ms'] > 0 for k in rows if k.endswith('· MLP'))
+    mlps = [k for k in rows if k.endswith('· MLP')]
+    assert mlps and all(rows[k]['bound_ms'] > 0 for k in mlps)
 
 
 def test_profile_ops_tool_prints_the_table(tmp_path, capsys):
