@@ -18,10 +18,10 @@ maps (docs/mixed_precision.md). On kernels smaller than 7 x 7 oneDNN's own weigh
 runs instead (`PER_SAMPLE_MIN_KERNEL`).
 
 The input gradient is the transposed convolution of dy with W. oneDNN's bf16 kernel for it is slow on CPU where
-the stride is above 1 (tens of times the forward: a 3 x 3, stride-2 depth-wise convolution on 512 x 200 x 336
-took 136 ms where the forward took 4 ms; in fp32 11 ms, casts included; docs/mixed_precision.md), so for strided
-convolutions it runs as `F.conv_transpose2d` in fp32 on the half dy and W values and is rounded once to the input's
-dtype: the reference's one rounding of the same sum. With stride 1 torch's kernel runs in the compute dtype.
+the stride is above 1 (tens of times the forward, several times the same gradient in fp32 with its casts:
+docs/mixed_precision.md), so for strided convolutions it runs as `F.conv_transpose2d` in fp32 on the half dy and W
+values and is rounded once to the input's dtype: the reference's one rounding of the same sum. With stride 1
+torch's kernel runs in the compute dtype.
 """
 import torch
 import torch.nn.functional as F
