@@ -198,6 +198,19 @@ def test_a_failed_measurement_is_a_sample_with_its_error():
     assert s['error'].startswith('FileNotFoundError: ViTTT:') and '/nowhere' in s['error'] and '\n' not in s['error']
 
 
+def test_measuring_process_imports_the_package_the_run_records(tmp_path, monkeypatch):
+    """Started from a folder that holds another `mmplugin_l2` (another checkout: here one that fails on import), a
+    measurement's process still imports the package the tool runs (`PACKAGE_ROOT`, whose commit the run records),
+    not the working folder's."""
+    from mmplugin_l2.analysis import benchmark as bm
+    (tmp_path / 'mmplugin_l2').mkdir()
+    (tmp_path / 'mmplugin_l2' / '__init__.py').write_text('raise ImportError("the working folder\'s package")\n')
+    monkeypatch.chdir(tmp_path)
+    s = bm.run_subprocess(dict(model='vit3_t', kind='infer', size=[32, 32], batch=1, warmup=0, iters=1,
+                               device='cpu', tiny=True))
+    assert 'error' not in s and s['latency_ms'] > 0, s
+
+
 def test_batch_search_respects_the_budget():
     """Against a fake peak-memory function (affine in the batch, out of memory above a limit): the batch found
     is the largest that fits, and no probe is repeated."""

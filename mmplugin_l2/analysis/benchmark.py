@@ -195,16 +195,25 @@ def measure(spec):
     return s
 
 
+#: the folder this package is imported from (a checkout, or site-packages): the measuring processes import it from
+#: there, and `environment` records its commit
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def run_subprocess(spec, timeout=None, python=sys.executable):
     """`measure(spec)` in a fresh Python process, under the spec's allocator (measure.allocator_env); the sample,
-    or the spec's fields with `error` (one line: an exception, a kill by the OS, a timeout)."""
+    or the spec's fields with `error` (one line: an exception, a kill by the OS, a timeout). The process imports
+    this very package (`PACKAGE_ROOT` first on its path, the working folder not on it: `python -P`), so the code
+    measured is the code whose commit the run records, wherever the tool is started from."""
     base = {k: spec[k] for k in ('model', 'kind', 'size', 'batch')}
     base.update(round=spec.get('round', 0), **variant_fields(spec))
     try:
         env = allocator_env(sample_allocator(spec))
     except ValueError as e:
         return dict(base, error=str(e))
-    samples, failure = run_fresh(['-m', 'mmplugin_l2.analysis.benchmark', json.dumps(spec)], timeout, python, env)
+    env['PYTHONPATH'] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get('PYTHONPATH')) if p)
+    samples, failure = run_fresh(['-P', '-m', 'mmplugin_l2.analysis.benchmark', json.dumps(spec)], timeout, python,
+                                 env)
     if samples:
         return samples[-1]
     return dict(base, error=failure_line(failure or 'no sample printed'))
@@ -275,9 +284,8 @@ def environment(device):
         env['cpu'] = None
     if device.startswith('cuda'):
         env['gpu'] = torch.cuda.get_device_name(torch.device(device))
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
-        env['commit'] = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=root, capture_output=True,
+        env['commit'] = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=PACKAGE_ROOT, capture_output=True,
                                        text=True, timeout=10).stdout.strip() or None
     except OSError:
         env['commit'] = None
