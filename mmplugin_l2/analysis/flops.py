@@ -34,13 +34,19 @@ class _TensorForward(nn.Module):
         return self.model(x, mode='tensor')
 
 
-def count_flops(module, inputs):
-    """Multiply-adds of `module(*inputs)` on whole maps (quiet: unsupported element-wise ops are skipped)."""
+def flops_by_module(module, inputs):
+    """(multiply-adds of `module(*inputs)`, {submodule name: its multiply-adds, descendants included}), one trace on
+    whole maps (quiet: unsupported element-wise ops are skipped)."""
     with whole_maps(module):
         analyzer = FlopAnalyzer(module, inputs)
         analyzer.unsupported_ops_warnings(False)
         analyzer.uncalled_modules_warnings(False)
-        return analyzer.total()
+        return analyzer.total(), dict(analyzer.by_module())
+
+
+def count_flops(module, inputs):
+    """Multiply-adds of `module(*inputs)` on whole maps (`flops_by_module`)."""
+    return flops_by_module(module, inputs)[0]
 
 
 def n_params(module):

@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..models.ops import dispatch
 from .measure import PRECISIONS, clock, output_loss, precision
-from .roofline import layers, peak_bandwidth, peak_matmul, tensor_bytes
+from .roofline import layers, module_macs, peak_bandwidth, peak_matmul, tensor_bytes
 
 KINDS = ('train', 'infer')
 DTYPE_NAMES = {torch.float32: 'fp32', torch.bfloat16: 'bf16', torch.float16: 'fp16', torch.float64: 'fp64'}
@@ -112,12 +112,13 @@ class _Tracker:
     """Module stacks in forward (hooks on every module of `model`), the owner of each autograd node (sequence
     numbers bracketed by module calls, training only) and the calls of `choose`."""
 
-    def __init__(self, model, device, nodes):
+    def __init__(self, model, device, nodes, io_bytes=False):
         self.names = {id(m): n for n, m in model.named_modules()}
         self.stack, self.starts, self.phase, self.nodes = [()], [], 'forward', nodes
         self.node_owner, self.bwd_owner, self._node_hooks = {}, (), []
         self.calls = collections.Counter()
-        self.bytes = collections.Counter()       # module name -> bytes of its forward calls' inputs and outputs
+        # module name -> bytes of its forward calls' inputs / outputs (with `io_bytes`: for the bounds)
+        self.io_bytes, self.bytes_in, self.bytes_out = io_bytes, collections.Counter(), collections.Counter()
         self.choices = collections.defaultdict(collections.Counter)   # module name -> {(supports, phase, path): n}
         self.recorder = _Recorder(self.owner, device)
         self._leaf = torch.zeros((), requires_grad=True)
@@ -164,10 +165,9 @@ class _Tracker:
 
     def _post(self, module, args, out):
         stack, start = self.stack.pop(), self.starts.pop()
-        if self.phase == 'forward':
-            name = stack[-1]
-            self.bytes[name + ' in'] += tensor_bytes(args)
-            self.bytes[name + ' out'] += tensor_bytes(out)
+        if self.io_bytes and self.phase == 'forward':
+            self.bytes_in[stack[-1]] += tensor_bytes(args)
+            self.bytes_out[stack[-1]] += tensor_bytes(out)
         if start is not None:
             for s in range(start + 1, self._seq()):   # inner calls ended first and took theirs
                 self.node_owner.setdefault(s, stack)
@@ -272,7 +272,7 @@ def profile_ops(model, x, kind='train', prec='fp32', warmup=1, by='group', bound
     for _ in range(warmup):
         _step(model, x, kind, prec)
     plain = _step(model, x, kind, prec)
-    tracker = _Tracker(model, x.device, nodes=kind == 'train')
+    tracker = _Tracker(model, x.device, nodes=kind == 'train', io_bytes=bounds)
     with tracker.active():
         _step(model, x, kind, prec, tracker)
     res = dict(kind=kind, precision=prec, by=by, plain=dict(forward_ms=plain[0] * 1e3, backward_ms=plain[1] * 1e3),
@@ -284,15 +284,8 @@ def profile_ops(model, x, kind='train', prec='fp32', warmup=1, by='group', bound
 
 def _add_bounds(res, model, x, tracker):
     """Each row's least bytes, multiply-adds and bound_ms (the module docstring), in place."""
-    from .roofline import _flops
     train = res['kind'] == 'train'
-    was_training = model.training
-    model.eval()        # the forward's multiply-adds, traced on the paths a tracer counts (as roofline.py)
-    try:
-        with torch.no_grad():
-            _, macs_of = _flops(model, x)
-    finally:
-        model.train(was_training)
+    _, macs_of = module_macs(model, x)
     modules = dict(model.named_modules())
     bw, peak = res['bandwidth_gbs'] * 1e9, res['peak_gmacs'] * 1e9
     op_modules = [n for r in res['rows'] for n in r['modules']]
@@ -302,8 +295,8 @@ def _add_bounds(res, model, x, tracker):
         if not r['modules'] or any(o.startswith(n + '.') for n in r['modules'] for o in op_modules):
             r.update(bytes=None, macs=None, bound_ms=None)
             continue
-        ins = sum(tracker.bytes[n + ' in'] for n in r['modules'])
-        outs = sum(tracker.bytes[n + ' out'] for n in r['modules'])
+        ins = sum(tracker.bytes_in[n] for n in r['modules'])
+        outs = sum(tracker.bytes_out[n] for n in r['modules'])
         params = sum(tensor_bytes(tuple(modules[n].parameters())) * tracker.calls[n] for n in r['modules'])
         macs = sum(macs_of.get(n, 0) for n in r['modules']) * (3 if train else 1)
         nbytes = 3 * ins + 2 * outs + 3 * params if train else ins + outs + params

@@ -17,7 +17,6 @@ import statistics
 import torch
 import torch.nn as nn
 
-from ..models.ops.memory import whole_maps
 from .measure import PRECISIONS, clock, precision, time_calls, train_steps
 
 
@@ -94,7 +93,7 @@ def profile_layers(model, x, prec='fp32'):
     they are, bf16 under bf16 autocast)."""
     model.eval()
     named = layers(model)
-    flops, by_module = _flops(model, x)
+    flops, by_module = module_macs(model, x)
     stats, hooks = {}, []
     active = [0]   # timed modules running now: one called inside another (a pre-norm passed as `norm=` and
     # run inside the attention's pieces) is timed as part of the outer one, not twice
@@ -135,15 +134,18 @@ def profile_layers(model, x, prec='fp32'):
     return dict(macs=flops, seconds=total, layers=stats)
 
 
-def _flops(model, x):
-    """(total multiply-adds, {module name: multiply-adds, descendants included}), one trace."""
-    from mmengine.analysis import FlopAnalyzer
+def module_macs(model, x):
+    """(total multiply-adds, {module name: multiply-adds, descendants included}) of one forward of `model` on `x`,
+    one trace in eval mode without autograd (the paths a tracer counts); the model's mode is restored."""
+    from .flops import flops_by_module
 
-    with whole_maps(model):     # the model's operations, not the halo rows of pieces of rows
-        a = FlopAnalyzer(model, (x,))
-        a.unsupported_ops_warnings(False)
-        a.uncalled_modules_warnings(False)
-        return a.total(), dict(a.by_module())
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return flops_by_module(model, (x,))
+    finally:
+        model.train(was_training)
 
 
 def train_step_seconds(model, x, warmup=1, iters=1, prec='fp32'):

@@ -12,7 +12,8 @@ step (the head line's figures). Rows: one per op (the innermost module that call
 roofline's, else `other`), per stage and class (`--by group`) or per module (`--by module`), by time. What each
 column counts: mmplugin_l2/analysis/opprofile.py. --bounds adds each op's least bytes (what its forward and
 backward must read and write at least), its bound (those bytes at this machine's copy bandwidth, or its
-multiply-adds at the matmul peak, whichever is longer) and the measured time over the bound. Whole-model step times across models: benchmark.py.
+multiply-adds at the matmul peak, whichever is longer) and the measured time over the bound. Whole-model step
+times across models: benchmark.py.
 """
 import argparse
 import json
