@@ -48,6 +48,36 @@ def test_compiled_core_under_bf16_autocast_no_worse_than_the_reference():
     assert max(e_fast) < 5e-2, e_fast
 
 
+def test_compiled_core_specialises_on_the_width_only(monkeypatch):
+    """`compiled_ttt_core` compiles once per layer width and once for every map size and batch (above 1: torch
+    specialises sizes of 1): its arguments' channel sizes are static (`_compile_form`), the batch and the map's sizes
+    symbolic. Counted on the graphs dynamo hands to a recording backend (no code generation), from `Compiled`'s own
+    torch.compile call (dynamic=True); qkv's sizes as the graphs see them."""
+    from mmplugin_l2.models.ops.compiled import Compiled
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append([tuple(n.meta['example_value'].shape) for n in gm.graph.nodes
+                       if n.op == 'placeholder' and isinstance(n.meta.get('example_value'), torch.Tensor)])
+        return gm.forward
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, 'compile', lambda fn, **kw: compile_(fn, backend=record, **kw))
+    core = Compiled(ttt_op._ttt_core_fixed_heads, 'the TTT core', prepare=ttt_op._compile_form)
+    torch._dynamo.reset()
+    counts = []
+    for b, nh, d, hw in [(2, 2, 4, HW), (3, 2, 4, (3, 6)), (2, 2, 4, (6, 4)), (2, 4, 4, HW), (2, 2, 8, (3, 6))]:
+        _core(core, _rot(nh * d, True, hw), nh, hw)(*_core_inputs(b=b, nh=nh, d=d, hw=hw)).sum().backward()
+        counts.append(len(graphs))
+    torch._dynamo.reset()
+    assert core.failed is None
+    assert counts == [1, 1, 1, 2, 3], counts                    # new map sizes and batches: no; new widths: yes
+    for shapes in graphs:       # qkv (B, N, 3C + 3d), the tables (N, C/2), W1, W2 (1, H, d, d), w3 (d, 1, 3, 3)
+        (qkv,) = [s for s in shapes if len(s) == 3]
+        assert all(isinstance(s, torch.SymInt) for s in qkv[:2]) and type(qkv[2]) is int, qkv
+        assert all(type(s) is int for t in shapes if len(t) == 4 for s in t), shapes
+        assert all(isinstance(t[0], torch.SymInt) and type(t[1]) is int for t in shapes if len(t) == 2), shapes
+
+
 def test_compile_failure_warns_once_and_runs_eager(monkeypatch):
     """Where torch.compile fails (no C++ compiler, an unsupported torch), `Compiled` warns once, saying what failed
     and how to turn it off, and runs the eager function from then on (same values); an error of the function

@@ -1,9 +1,12 @@
 """Compiled fast paths: an op's reference compiled by inductor (vectorised C++ on CPU, Triton on CUDA, from the one
 Python source), its forward and backward fused into few passes over the token maps.
 
-`Compiled(fn, name, prepare)` compiles `fn` on its first call (`torch.compile(dynamic=True)`: a new image size does not
-recompile, so multi-scale training compiles once per layer shape; torch's caches keep the compiled code across
-processes, so a later process loads it instead of compiling). Where it cannot compile (no C++ compiler, a torch or
+`Compiled(fn, name, prepare)` compiles `fn` on its first call (`torch.compile(dynamic=True)`: sizes are symbolic, so a new
+image size or batch does not recompile; torch's caches keep the compiled code across processes, so a later process
+loads it instead of compiling). `prepare` may mark the sizes that are fixed by the layer's width static
+(`static_sizes`, e.g. the channels): inductor's loops over symbolic sizes compute every index at run time and are
+not vectorised across a layout change, so the same code with the channel sizes static runs several times faster;
+`fn` is then compiled once per width (once per stage of a pyramid) and still once for every image size. Where it cannot compile (no C++ compiler, a torch or
 device inductor does not support) it warns once and runs `fn` itself from then on: same values, eager speed. An
 error of `fn` itself (a wrong input) is raised as `fn` raises it. `prepare` (optional) converts the arguments
 eagerly before every call, compiled or not, into a form that compiles without graph breaks or unsupported kernels
@@ -21,6 +24,17 @@ import torch.utils.checkpoint
 #: exceptions that are not failures: torch.utils.checkpoint stops a recomputation in backward by raising this from
 #: inside the recomputed code (here: the compiled function) once every tensor it needs is recomputed
 _CONTROL_FLOW = tuple(e for e in (getattr(torch.utils.checkpoint, '_StopRecomputationError', None),) if e)
+
+
+def static_sizes(t, dims=None):
+    """Mark the sizes `dims` (default: all) of tensor `t` static for `torch.compile(dynamic=True)`: the compiled
+    code specialises on them (a call with other sizes there compiles again) while the other sizes stay symbolic.
+    Returns `t`; without `torch._dynamo.mark_static` (an older torch) it does nothing."""
+    mark = getattr(getattr(torch, '_dynamo', None), 'mark_static', None)
+    if mark is not None:
+        for i in range(t.dim()) if dims is None else dims:
+            mark(t, i % t.dim())
+    return t
 
 
 class Compiled:

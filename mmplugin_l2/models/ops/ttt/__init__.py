@@ -5,7 +5,7 @@ pieces of tokens), `compiled_ttt_core` (the reference compiled by inductor, `ops
 the one the `Path` of `ops.dispatch.choose` names; `TTT` declares what the fast paths support."""
 import torch
 
-from ..compiled import Compiled
+from ..compiled import Compiled, static_sizes
 from ..dispatch import CHECKPOINT, COMPILED, INFERENCE, TRAIN, Fast, Supports
 from ..rope import real_table
 from .pieces import proj_input, ttt_core_pieces, ttt_inference
@@ -27,10 +27,29 @@ __all__ = ['TTT', 'TTTCore', 'compiled_ttt_core', 'dwconv_inner_grad', 'dwconv_p
 TTT = Supports(inference=Fast(), train=Fast(half='autocast', compute_dtypes=(torch.float16, torch.float32,
                                                                              torch.float64)), checkpoint=True,
                compiled=Fast(half='autocast', devices=('cpu',), compute_dtypes=(torch.bfloat16,)))
-#: `reference.ttt_core` compiled by inductor on first use (`ops.compiled.Compiled`), the RoPE table passed as its
-#: real (cos, sin) pair
-compiled_ttt_core = Compiled(ttt_core, 'the TTT core (ops.ttt.reference.ttt_core)',
-                             prepare=lambda qkv, rot, *rest: (qkv, real_table(rot), *rest))
+
+
+def _compile_form(qkv, rot, w1, w2, w3, *rest):
+    """`compiled_ttt_core`'s arguments as it compiles them: RoPE's table as its real (cos, sin) pair (inductor has no
+    complex kernels; contiguous, so that their strides follow from their sizes, not from the complex table's), and
+    the sizes a layer's width fixes static (`ops.compiled.static_sizes`: qkv's channels, the inner weights, the
+    table's width), so that only the batch and the map's sizes are symbolic."""
+    rot = None if rot is None else tuple(static_sizes(t.contiguous(), [1]) for t in real_table(rot))
+    static_sizes(qkv, [2])
+    for w in (w1, w2, w3):
+        static_sizes(w)
+    return (qkv, rot, w1, w2, w3, *rest)
+
+
+def _ttt_core_fixed_heads(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
+    """`reference.ttt_core` with the head count read from W1 (1, H, d, d), whose sizes `_compile_form` marks static,
+    instead of the int argument (equal to it), which `torch.compile(dynamic=True)` would make a symbolic size."""
+    return ttt_core(qkv, rot, w1, w2, w3, hw_shape, w1.shape[1], scale, lr)
+
+
+#: `reference.ttt_core` compiled by inductor on first use (`ops.compiled.Compiled`), once per layer width (the
+#: channel sizes static, the batch and the map's sizes symbolic), the RoPE table passed as its real (cos, sin) pair
+compiled_ttt_core = Compiled(_ttt_core_fixed_heads, 'the TTT core (ops.ttt.reference.ttt_core)', prepare=_compile_form)
 
 
 def ttt_attention(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, path):
