@@ -23,7 +23,6 @@ from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST
 from mmplugin_l2.models.backbones import HViT3, L2ViT, ResT, ViT3
 
 
-
 def _stages(arch, depths):
     """The first len(depths) stages of a tiny per-stage arch, with these depths."""
     return {k: (depths if k == 'depths' else v[:len(depths)]) for k, v in arch.items()}

@@ -62,7 +62,7 @@ def test_compiled_core_specialises_on_the_width_only(monkeypatch):
         return gm.forward
     compile_ = torch.compile
     monkeypatch.setattr(torch, 'compile', lambda fn, **kw: compile_(fn, backend=record, **kw))
-    core = Compiled(ttt_op._ttt_core_fixed_heads, 'the TTT core', prepare=ttt_op._compile_form)
+    core = Compiled(ttt_core, 'the TTT core', prepare=ttt_op._compile_form)
     torch._dynamo.reset()
     counts = []
     for b, nh, d, hw in [(2, 2, 4, HW), (3, 2, 4, (3, 6)), (2, 2, 4, (6, 4)), (2, 4, 4, HW), (2, 2, 8, (3, 6))]:

@@ -41,15 +41,9 @@ def _compile_form(qkv, rot, w1, w2, w3, *rest):
     return (qkv, rot, w1, w2, w3, *rest)
 
 
-def _ttt_core_fixed_heads(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
-    """`reference.ttt_core` with the head count read from W1 (1, H, d, d), whose sizes `_compile_form` marks static,
-    instead of the int argument (equal to it), which `torch.compile(dynamic=True)` would make a symbolic size."""
-    return ttt_core(qkv, rot, w1, w2, w3, hw_shape, w1.shape[1], scale, lr)
-
-
 #: `reference.ttt_core` compiled by inductor on first use (`ops.compiled.Compiled`), once per layer width (the
 #: channel sizes static, the batch and the map's sizes symbolic), the RoPE table passed as its real (cos, sin) pair
-compiled_ttt_core = Compiled(_ttt_core_fixed_heads, 'the TTT core (ops.ttt.reference.ttt_core)', prepare=_compile_form)
+compiled_ttt_core = Compiled(ttt_core, 'the TTT core (ops.ttt.reference.ttt_core)', prepare=_compile_form)
 
 
 def ttt_attention(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, path):
