@@ -835,6 +835,37 @@ def test_op_profile_names_each_ops_path_and_the_dtypes_its_products_ran_in():
     assert 'backward ms' not in opprofile.table(infer)
 
 
+def test_op_profile_table_says_compiled_paths_ran_eagerly():
+    """Under the profile's TorchDispatchMode torch.compile'd code runs op by op (checked here on a compiled
+    function: the mode sees its aten operators), so the table says under it which rows took a compiled path and
+    that they time the eager code; without such a row it says nothing."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from mmplugin_l2.analysis import opprofile
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+    fn = torch.compile(lambda t: (t.sin() * 2).cos(), backend='aot_eager')
+    x = torch.randn(4)
+    fn(x)
+    with Record():
+        fn(x)
+    assert seen == ['sin', 'mul', 'cos'], seen
+    row = dict(op='stage 1 / TTTAttention · TTT', calls=1, forward_ms=1., backward_ms=1., products={'fwd': {}},
+               paths={'TTT: compiled': 1, 'TTT: compiled in backward': 1})
+    res = dict(kind='train', precision='bf16', plain=dict(forward_ms=1., backward_ms=1.),
+               instrumented=dict(forward_ms=1., backward_ms=1.), rows=[row])
+    md = opprofile.table(res)
+    assert md.strip().splitlines()[-1].startswith('Compiled paths ran eagerly here') and \
+        'the rows of stage 1 / TTTAttention · TTT time the eager code' in md
+    row['paths'] = {'TTT: checkpoint': 1}
+    assert 'Compiled paths' not in opprofile.table(res)
+
+
 def test_op_profile_bounds_count_what_a_step_must_move_at_least():
     """`bounds=True` on a model of one Linear(8, 16) over (1, 3, 4, 8) inputs: its least bytes are counted by hand
     (training: 3 x inputs + 2 x outputs + 3 x parameters, bf16 outputs under bf16 autocast; inference: each once),

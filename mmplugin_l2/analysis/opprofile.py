@@ -19,6 +19,9 @@ dtypes its matrix products, convolutions and attention kernels ran in.
   (a pre-hook on every node of the graph says which one runs), and of the modules it calls below that node's.
 * Times are sums of the aten operators' own times, without the Python between them; the instrumented step is
   slower than a plain one, whose forward and backward are timed first (`plain`) for comparison.
+* An op on a `compiled` Path (`ops.compiled`) runs its code op by op in the instrumented step: torch.compile'd code
+  runs eagerly while a TorchDispatchMode is active. Its row times the eager code the compiled path replaces (the
+  table says so under it); benchmark.py times the compiled path.
 * *Bounds* (`bounds=True`): the least time an op's step can take on this machine, `bound_ms` = max(bytes /
   copy bandwidth, multiply-adds / matmul peak), both measured here (`roofline.peak_bandwidth`,
   `roofline.peak_matmul` in the profile's precision). The bytes are what the op must move at least, counted
@@ -398,4 +401,9 @@ def table(result):
             bound = (f'{r["bytes"] / 1e6:.1f} | {b:.2f} | {ms / b:.1f} | ' if b else '– | – | – | ')
         lines.append(f'| {r["op"]} | {r["calls"] or "–"} | {paths} | {r["forward_ms"]:.2f} | '
                      + (f'{r["backward_ms"]:.2f} | ' if train else '') + f'{ms / total:.1%} | {bound}{products(r)} |')
+    compiled = sorted({r['op'] for r in result['rows'] if any(': compiled' in k for k in r['paths'])})
+    if compiled:
+        lines += ['', f'Compiled paths ran eagerly here (torch.compile runs op by op under the profile\'s dispatch '
+                      f'mode): the rows of {", ".join(compiled)} time the eager code the compiled path replaces; '
+                      f'benchmark.py times the compiled path.']
     return '\n'.join(lines) + '\n'

@@ -1,21 +1,22 @@
-"""`ops.ttt.compiled_ttt_core` (`ops.compiled.Compiled`: the TTT core's reference compiled by inductor, the path
-`ops.ttt.TTT` declares inside `with_cp` blocks under bf16 autocast) against the naive form in float64 and under
+"""`ops.ttt.compiled_ttt_core` (the TTT core's reference with its SwiGLU heads compiled by inductor through
+`ops.compiled.Compiled`, the path `ops.ttt.TTT` declares inside `with_cp` blocks under bf16 autocast) against the naive form in float64 and under
 bf16 autocast, and its eager fallback where torch.compile fails. Apart from tests/ops/test_ttt.py so that
 pytest-xdist can run its compilations beside that file."""
 import pytest
 import torch
 
 import mmplugin_l2.models.ops.ttt as ttt_op
-from mmplugin_l2.models.ops.ttt import ttt_core
+from mmplugin_l2.models.ops.ttt import swiglu_heads, ttt_core
 from mmplugin_l2.models.ops.ttt.naive import ttt_core_naive
 from ops.harness import assert_autocast_no_worse, assert_matches_naive, cast_inputs, half_values
 from ops.test_ttt import HW, _core, _core_inputs, _rot
 
 
 def test_compiled_core_matches_naive():
-    """`compiled_ttt_core` (the reference compiled by inductor, dynamic shapes) = the naive form in float64: values
-    and the gradients of qkv, W1, W2 and w3, with RoPE; a second map size runs without an error (dynamic). The
-    RoPE table reaches the compiled function as its real pair (`rope.real_table`): one graph, no graph break."""
+    """`compiled_ttt_core` (the reference, its SwiGLU heads compiled by inductor with dynamic shapes) = the naive
+    form in float64: values and the gradients of qkv, W1, W2 and w3, with RoPE; a second map size runs without an
+    error (dynamic). The RoPE table reaches the compiled function as its real pair (`rope.real_table`): one graph,
+    no graph break."""
     from torch._dynamo.utils import counters
     counters.clear()
     rot, nh = _rot(8, True), 2
@@ -25,7 +26,7 @@ def test_compiled_core_matches_naive():
     rot = _rot(8, True, hw)
     assert_matches_naive(_core(ttt_op.compiled_ttt_core, rot, nh, hw), _core(ttt_core_naive, rot, nh, hw),
                          _core_inputs(nh=nh, d=4, hw=hw))
-    assert ttt_op.compiled_ttt_core.failed is None
+    assert ttt_op.compiled_swiglu_heads.failed is None
     assert not counters['graph_break'], dict(counters['graph_break'])
 
 
@@ -49,7 +50,7 @@ def test_compiled_core_under_bf16_autocast_no_worse_than_the_reference():
 
 
 def test_compiled_core_specialises_on_the_width_only(monkeypatch):
-    """`compiled_ttt_core` compiles once per layer width and once for every map size and batch (above 1: torch
+    """`compiled_swiglu_heads` compiles once per layer width, not for every map size and batch (above 1: torch
     specialises sizes of 1): its arguments' channel sizes are static (`_compile_form`), the batch and the map's sizes
     symbolic. Counted on the graphs dynamo hands to a recording backend (no code generation), from `Compiled`'s own
     torch.compile call (dynamic=True); qkv's sizes as the graphs see them."""
@@ -62,16 +63,19 @@ def test_compiled_core_specialises_on_the_width_only(monkeypatch):
         return gm.forward
     compile_ = torch.compile
     monkeypatch.setattr(torch, 'compile', lambda fn, **kw: compile_(fn, backend=record, **kw))
-    core = Compiled(ttt_core, 'the TTT core', prepare=ttt_op._compile_form)
+    compiled = Compiled(swiglu_heads, 'the SwiGLU heads', prepare=ttt_op._compile_form)
+
+    def core(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
+        return compiled(qkv, rot, w1, w2, num_heads, scale, lr)
     torch._dynamo.reset()
     counts = []
     for b, nh, d, hw in [(2, 2, 4, HW), (3, 2, 4, (3, 6)), (2, 2, 4, (6, 4)), (2, 4, 4, HW), (2, 2, 8, (3, 6))]:
         _core(core, _rot(nh * d, True, hw), nh, hw)(*_core_inputs(b=b, nh=nh, d=d, hw=hw)).sum().backward()
         counts.append(len(graphs))
     torch._dynamo.reset()
-    assert core.failed is None
+    assert compiled.failed is None
     assert counts == [1, 1, 1, 2, 3], counts                    # new map sizes and batches: no; new widths: yes
-    for shapes in graphs:       # qkv (B, N, 3C + 3d), the tables (N, C/2), W1, W2 (1, H, d, d), w3 (d, 1, 3, 3)
+    for shapes in graphs:       # qkv (B, N, 3C + 3d), the tables (N, C/2), W1, W2 (1, H, d, d)
         (qkv,) = [s for s in shapes if len(s) == 3]
         assert all(isinstance(s, torch.SymInt) for s in qkv[:2]) and type(qkv[2]) is int, qkv
         assert all(type(s) is int for t in shapes if len(t) == 4 for s in t), shapes

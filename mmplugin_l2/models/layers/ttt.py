@@ -44,8 +44,9 @@ class TTTAttention(nn.Module):
         lr (float): inner learning rate. Default: 1.0.
         fast_train (bool): in training, keep only the qkv tokens for backward and recompute the inner
             models there (`TTTCore`); same gradients, far less memory. Default: True.
-        fast_compile (bool): inside a block recomputed by `with_cp`, run the inner models compiled by
-            inductor where `ops.ttt.TTT` declares it (`ops.compiled`; the first step compiles). Default: True.
+        fast_compile (bool): inside a block recomputed by `with_cp`, run the SwiGLU inner models compiled by
+            inductor where `ops.ttt.TTT` declares it (`ops.ttt.compiled_ttt_core`; the first step compiles).
+            Default: True.
     """
 
     #: pieces of tokens; the unit is elements of the (B, tokens, C) input

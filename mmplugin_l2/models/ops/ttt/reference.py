@@ -209,6 +209,48 @@ def split_qkv(qkv, num_heads, d):
     return qkv.split([c, c, c, d, d, d], dim=-1)
 
 
+def swiglu_heads(qkv, rot, w1, w2, num_heads, scale, lr, fused=False):
+    """The SwiGLU inner models of `ttt_core`, one per head: a gradient step on (k1, v1), applied to q1.
+
+    Args:
+        qkv (Tensor): (B, N, 3C + 3d) tokens [q1 | k1 | v1 | q2 | k2 | v2] (the conv head's channels unused).
+        rot (Tensor | tuple | None): the RoPE table of `rope_tables` (N, C/2) for q1 and k1, or None.
+        w1 (Tensor): SwiGLU W1 (1, H, d, d).
+        w2 (Tensor): SwiGLU W2 (1, H, d, d).
+        num_heads (int): SwiGLU heads H.
+        scale (float): the inner loss's scale.
+        lr (float): the inner learning rate.
+        fused (bool): SiLU' as one kernel without an autograd formula (nothing records autograd). Default: False.
+
+    Returns:
+        Tensor: (B, N, C).
+    """
+    b, n, _ = qkv.shape
+    d = w1.shape[-1]
+    q1, k1, v1 = split_qkv(qkv, num_heads, d)[:3]
+    if rot is not None:
+        q1, k1 = apply_rope(q1, rot), apply_rope(k1, rot)
+    q1, k1, v1 = (heads(t, num_heads) for t in (q1, k1, v1))
+    w12 = fast_weights(torch.cat([w1, w2], dim=-1), k1)
+    w12 = update(w12, swiglu_grad_pair(k1, v1, w12, scale, fused), lr, -2)
+    return swiglu_readout(q1 @ w12).transpose(1, 2).reshape(b, n, num_heads * d)
+
+
+def conv_head_tokens(qkv, w3, hw_shape, num_heads, scale, lr):
+    """The conv-head inner model of `ttt_core` (`conv_head`) on its channels of the fused qkv tokens
+    (B, N, 3C + 3d), [q2 | k2 | v2] (the last 3d): (B, N, d) tokens (the arguments of `ttt_core`)."""
+    b = qkv.shape[0]
+    h, w = hw_shape
+    d = w3.shape[0]
+    q2, k2, v2 = split_qkv(qkv, num_heads, d)[3:]
+    return conv_head(*(t.reshape(b, h, w, d) for t in (q2, k2, v2)), w3, scale, lr)
+
+
+def join_heads(y1, y2):
+    """[SwiGLU heads | conv head] (B, N, C + d), in the SwiGLU heads' dtype."""
+    return torch.cat([y1, y2.to(y1.dtype)], dim=-1)
+
+
 def ttt_core(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, fused=False):
     """Both inner models, from the fused qkv tokens to the output projection's input.
 
@@ -227,15 +269,5 @@ def ttt_core(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, fused=False):
     Returns:
         Tensor: (B, N, C + d) [SwiGLU heads | conv head].
     """
-    b, n, _ = qkv.shape
-    h, w = hw_shape
-    d = w1.shape[-1]
-    q1, k1, v1, q2, k2, v2 = split_qkv(qkv, num_heads, d)
-    if rot is not None:
-        q1, k1 = apply_rope(q1, rot), apply_rope(k1, rot)
-    q1, k1, v1 = (heads(t, num_heads) for t in (q1, k1, v1))
-    w12 = fast_weights(torch.cat([w1, w2], dim=-1), k1)
-    w12 = update(w12, swiglu_grad_pair(k1, v1, w12, scale, fused), lr, -2)
-    y1 = swiglu_readout(q1 @ w12).transpose(1, 2).reshape(b, n, num_heads * d)
-    y2 = conv_head(*(t.reshape(b, h, w, d) for t in (q2, k2, v2)), w3, scale, lr)
-    return torch.cat([y1, y2.to(y1.dtype)], dim=-1)
+    return join_heads(swiglu_heads(qkv, rot, w1, w2, num_heads, scale, lr, fused),
+                      conv_head_tokens(qkv, w3, hw_shape, num_heads, scale, lr))
