@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from mmplugin_l2.models.ops.rope import apply_rope, real_table, rope_heads, rope_heads_backward, rope_tables
+from mmplugin_l2.models.ops.rope import (apply_rope, apply_rope_halves, halves_order, head_table, real_table,
+                                         rope_heads, rope_heads_backward, rope_tables)
 
 
 def test_rope_matches_complex_rotation():
@@ -62,3 +63,22 @@ def test_real_table_rotates_as_the_complex_table(dtype):
     assert got.dtype == want.dtype
     eps = torch.finfo(want.dtype).eps
     torch.testing.assert_close(got, want, rtol=0, atol=4 * eps * want.abs().max().item())
+
+
+@pytest.mark.parametrize('dim,heads', [(16, 2), (24, 3)])
+def test_rope_halves_is_the_rotation_in_halves_order(dim, heads):
+    """`apply_rope_halves` on tokens whose channels are in `halves_order`, with the `head_table` view of the table,
+    = `apply_rope` followed by the head split and the same order (float64, to rounding); the order puts each head's
+    pairs' first members before their second ones."""
+    torch.manual_seed(0)
+    rot = rope_tables(3, 5, dim)
+    x = torch.randn(2, 15, dim, dtype=torch.float64)
+    order = halves_order(dim, heads)
+    d = dim // heads
+    assert order[:d].tolist() == list(range(0, d, 2)) + list(range(1, d, 2))
+    split = lambda t: t.unflatten(-1, (heads, d)).transpose(1, 2)   # noqa: E731
+    table = head_table(rot, heads)
+    assert table.shape == (heads, 15, d // 2, 2) and table._base is not None
+    got = apply_rope_halves(split(x[..., order]), table)
+    want = split(apply_rope(x, rot)[..., order])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-14)

@@ -1,39 +1,53 @@
-"""`ops.ttt.compiled_ttt_core` (the TTT core's reference with its SwiGLU heads compiled by inductor through
-`ops.compiled.Compiled`, the path `ops.ttt.TTT` declares inside `with_cp` blocks under bf16 autocast) against the naive form in float64 and under
-bf16 autocast, and its eager fallback where torch.compile fails. Apart from tests/ops/test_ttt.py so that
+"""`ops.ttt.compiled_ttt_core` (the TTT core's SwiGLU heads compiled by inductor through `ops.compiled.Compiled`, the
+path `ops.ttt.TTT` declares inside `with_cp` blocks under bf16 autocast) against the naive form in float64 and
+under bf16 autocast, and its eager fallback where torch.compile fails. Apart from tests/ops/test_ttt.py so that
 pytest-xdist can run its compilations beside that file."""
 import pytest
 import torch
 
 import mmplugin_l2.models.ops.ttt as ttt_op
-from mmplugin_l2.models.ops.ttt import swiglu_heads, ttt_core
+from mmplugin_l2.models.ops.ttt import ttt_core
 from mmplugin_l2.models.ops.ttt.naive import ttt_core_naive
 from ops.harness import assert_autocast_no_worse, assert_matches_naive, cast_inputs, half_values
-from ops.test_ttt import HW, _core, _core_inputs, _rot
+from ops.test_ttt import HW, LR, SCALE, _core, _core_inputs, _rot
 
 
-def test_compiled_core_matches_naive():
-    """`compiled_ttt_core` (the reference, its SwiGLU heads compiled by inductor with dynamic shapes) = the naive
-    form in float64: values and the gradients of qkv, W1, W2 and w3, with RoPE; a second map size runs without an
-    error (dynamic). The RoPE table reaches the compiled function as its real pair (`rope.real_table`): one graph,
+def _projected(fn, rot, nh, hw=HW):
+    """`compiled_ttt_core` (which takes the tokens and the qkv projection) called as `_core` calls `ttt_core`: the
+    qkv tokens through an identity projection (its rows taken in any order give the tokens in that order, exactly)."""
+    def run(qkv, w1, w2, w3):
+        proj = torch.nn.Linear(qkv.shape[-1], qkv.shape[-1]).to(qkv.dtype)
+        with torch.no_grad():
+            proj.weight.copy_(torch.eye(qkv.shape[-1]))
+            proj.bias.zero_()
+        return fn(qkv, proj, rot, w1, w2, w3, hw, nh, SCALE, LR)
+    return run
+
+
+@pytest.mark.parametrize('nh,d,with_rope,compiled', [(2, 4, True, 'compiled_swiglu_halves'),
+                                                     (4, 3, True, 'compiled_swiglu_heads'),
+                                                     (2, 4, False, 'compiled_swiglu_heads')])
+def test_compiled_core_matches_naive(nh, d, with_rope, compiled):
+    """`compiled_ttt_core` (the SwiGLU heads compiled by inductor with dynamic shapes, the conv head eager) = the
+    naive form in float64: values and the gradients of qkv, W1, W2 and w3; a second map size runs without an error
+    (dynamic). With RoPE and even heads the halves order (`compiled_swiglu_halves`), with pairs across heads (head
+    width 3) or without RoPE the reference's (`compiled_swiglu_heads`, RoPE's table as its real pair): one graph,
     no graph break."""
     from torch._dynamo.utils import counters
     counters.clear()
-    rot, nh = _rot(8, True), 2
-    assert_matches_naive(_core(ttt_op.compiled_ttt_core, rot, nh), _core(ttt_core_naive, rot, nh),
-                         _core_inputs(nh=nh, d=4))
-    hw = (3, 6)
-    rot = _rot(8, True, hw)
-    assert_matches_naive(_core(ttt_op.compiled_ttt_core, rot, nh, hw), _core(ttt_core_naive, rot, nh, hw),
-                         _core_inputs(nh=nh, d=4, hw=hw))
-    assert ttt_op.compiled_swiglu_heads.failed is None
+    for hw in (HW, (3, 6)):
+        rot = _rot(nh * d, with_rope, hw)
+        assert_matches_naive(_projected(ttt_op.compiled_ttt_core, rot, nh, hw), _core(ttt_core_naive, rot, nh, hw),
+                             _core_inputs(nh=nh, d=d, hw=hw))
+    used = getattr(ttt_op, compiled)
+    assert used.failed is None and used._compiled is not None
     assert not counters['graph_break'], dict(counters['graph_break'])
 
 
 def test_compiled_core_under_bf16_autocast_no_worse_than_the_reference():
     """Under bf16 autocast (where `TTT` declares the compiled path, inside `with_cp` blocks), on bf16 qkv tokens:
-    the compiled reference against the naive form in float64, output and every gradient, no worse than the eager
-    reference under the same autocast (L2 norm; the compiler fuses the elementwise chains and may keep a
+    the compiled path (halves order) against the naive form in float64, output and every gradient, no worse than
+    the eager reference under the same autocast (L2 norm; the compiler fuses the elementwise chains and may keep a
     product's fp32 result where eager rounds it)."""
     nh, d, b, dtype = 2, 4, 2, torch.bfloat16
     rot = _rot(nh * d, True)
@@ -43,18 +57,19 @@ def test_compiled_core_under_bf16_autocast_no_worse_than_the_reference():
                           .requires_grad_(), dtype)]
     inputs += [(torch.randn(*s, generator=g, dtype=torch.float64) * .3).requires_grad_()
                for s in ((1, nh, d, d), (1, nh, d, d), (d, 1, 3, 3))]
-    e_fast, _ = assert_autocast_no_worse(cast_inputs(_core(ttt_op.compiled_ttt_core, rot32, nh), dtype),
+    e_fast, _ = assert_autocast_no_worse(cast_inputs(_projected(ttt_op.compiled_ttt_core, rot32, nh), dtype),
                                          cast_inputs(_core(ttt_core, rot32, nh), dtype),
                                          _core(ttt_core_naive, rot, nh), inputs, dtype, norm='l2')
     assert max(e_fast) < 5e-2, e_fast
 
 
 def test_compiled_core_specialises_on_the_width_only(monkeypatch):
-    """`compiled_swiglu_heads` compiles once per layer width, not for every map size and batch (above 1: torch
-    specialises sizes of 1): its arguments' channel sizes are static (`_compile_form`), the batch and the map's sizes
-    symbolic. Counted on the graphs dynamo hands to a recording backend (no code generation), from `Compiled`'s own
-    torch.compile call (dynamic=True); qkv's sizes as the graphs see them."""
+    """The compiled SwiGLU heads compile once per layer width, not for every map size and batch (above 1: torch
+    specialises sizes of 1): their arguments' channel sizes are static (`_widths_static`), the batch and the map's
+    sizes symbolic. Counted on the graphs dynamo hands to a recording backend (no code generation), from
+    `Compiled`'s own torch.compile call (dynamic=True); the sizes as the graphs see them."""
     from mmplugin_l2.models.ops.compiled import Compiled
+    from mmplugin_l2.models.ops.ttt import compiled as tc
     graphs = []
 
     def record(gm, example_inputs):
@@ -63,23 +78,24 @@ def test_compiled_core_specialises_on_the_width_only(monkeypatch):
         return gm.forward
     compile_ = torch.compile
     monkeypatch.setattr(torch, 'compile', lambda fn, **kw: compile_(fn, backend=record, **kw))
-    compiled = Compiled(swiglu_heads, 'the SwiGLU heads', prepare=ttt_op._compile_form)
-
-    def core(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
-        return compiled(qkv, rot, w1, w2, num_heads, scale, lr)
+    monkeypatch.setattr(tc, 'compiled_swiglu_halves',
+                        Compiled(tc.swiglu_heads_halves, 'the SwiGLU heads', prepare=tc._widths_static))
     torch._dynamo.reset()
     counts = []
     for b, nh, d, hw in [(2, 2, 4, HW), (3, 2, 4, (3, 6)), (2, 2, 4, (6, 4)), (2, 4, 4, HW), (2, 2, 8, (3, 6))]:
-        _core(core, _rot(nh * d, True, hw), nh, hw)(*_core_inputs(b=b, nh=nh, d=d, hw=hw)).sum().backward()
+        _projected(tc.compiled_ttt_core, _rot(nh * d, True, hw), nh, hw)(
+            *_core_inputs(b=b, nh=nh, d=d, hw=hw)).sum().backward()
         counts.append(len(graphs))
     torch._dynamo.reset()
-    assert compiled.failed is None
+    assert tc.compiled_swiglu_halves.failed is None
     assert counts == [1, 1, 1, 2, 3], counts                    # new map sizes and batches: no; new widths: yes
-    for shapes in graphs:       # qkv (B, N, 3C + 3d), the tables (N, C/2), W1, W2 (1, H, d, d)
+    for shapes in graphs:        # qkv (B, N, 3C + 3d), RoPE's head table (H, N, d/2, 2), W1, W2 (1, H, d, d)
         (qkv,) = [s for s in shapes if len(s) == 3]
         assert all(isinstance(s, torch.SymInt) for s in qkv[:2]) and type(qkv[2]) is int, qkv
-        assert all(type(s) is int for t in shapes if len(t) == 4 for s in t), shapes
-        assert all(isinstance(t[0], torch.SymInt) and type(t[1]) is int for t in shapes if len(t) == 2), shapes
+        (table,) = [s for s in shapes if len(s) == 4 and s[-1] == 2 and isinstance(s[1], torch.SymInt)]
+        assert all(type(table[i]) is int for i in (0, 2, 3)), table
+        weights = [s for s in shapes if s is not table and len(s) == 4]
+        assert len(weights) == 2 and all(type(s) is int for t in weights for s in t), shapes
 
 
 def test_compile_failure_warns_once_and_runs_eager(monkeypatch):

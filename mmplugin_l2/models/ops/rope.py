@@ -10,7 +10,9 @@ x*theta_0 .. x*theta_{k_max-1}]; channel pairs (2j, 2j+1) are rotated as complex
 and returns fp32 for fp32/fp16/bf16 input, as the authors' code does. Bit-identical to the authors'
 real-valued form re*cos - im*sin, im*cos + re*sin. Without autograd (H-ViT3's TTT training function),
 `rope_heads` rotates and splits into contiguous (B, H, N, d) heads in one pass and `rope_heads_backward`
-applies the transpose (rotation by the conjugate table) into a gradient's channel slice.
+applies the transpose (rotation by the conjugate table) into a gradient's channel slice. For compiled code (the TTT
+core's compiled path), `apply_rope_halves` rotates heads whose channels are in `halves_order` (each head's pairs as
+[first members | second members]: contiguous halves instead of interleaved pairs) with the `head_table` view.
 """
 import torch
 
@@ -68,6 +70,31 @@ def real_table(rot):
     if rot is None or isinstance(rot, tuple):
         return rot
     return tuple(torch.view_as_real(rot).unbind(-1))
+
+
+def halves_order(c, num_heads):
+    """The channel order that lays each head's RoPE pairs out as halves: head by head, the first members of the
+    head's pairs (channels 0, 2, .., d-2 of the head), then the second (1, 3, .., d-1); d = c / num_heads even.
+    Index tensor (c,) into the interleaved channels."""
+    d = c // num_heads
+    return torch.arange(c).view(num_heads, d // 2, 2).transpose(1, 2).reshape(c)
+
+
+def head_table(rot, num_heads):
+    """The table (N, C/2) of `rope_tables` as each head's (cos, sin), a real view (H, N, d/2, 2) (no copy): pair j
+    of head h is pair h d/2 + j of the table."""
+    t = torch.view_as_real(rot)
+    return t.reshape(t.shape[0], num_heads, -1, 2).transpose(0, 1)
+
+
+def apply_rope_halves(x, table):
+    """RoPE on per-head tokens x (B, H, N, d) whose channels are in `halves_order` ([a | b], the pairs' first and
+    second members): [a cos - b sin | b cos + a sin], the rotation of `apply_rope` in that order. table: the
+    `head_table` (H, N, d/2, 2). Returns fp32 (fp64 for fp64 input)."""
+    x = x.float() if x.dtype != torch.float64 else x
+    cos, sin = table.to(x.dtype).unbind(-1)
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
 def rope_heads(x, rot, num_heads):

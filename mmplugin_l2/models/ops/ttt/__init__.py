@@ -1,60 +1,33 @@
 """The TTT layer's op (H-ViT3 / ViT3): `naive` (the maths: the paper's inner step by autograd; the tests' oracle),
 `step` (the inner step's formulas, shared by the rest), `reference` (the inner models on whole maps, plain
 autograd), `pieces` (inference in pieces of tokens, without autograd), `train` (`TTTCore`: closed-form backward,
-pieces of tokens), `compiled_ttt_core` (the reference with its SwiGLU heads compiled by inductor, `ops.compiled`).
+pieces of tokens), `compiled` (`compiled_ttt_core`: the SwiGLU heads compiled by inductor, the conv head eager).
 `ttt_attention` runs the one the `Path` of `ops.dispatch.choose` names; `TTT` declares what the fast paths
 support."""
 import torch
 
-from ..compiled import Compiled, static_sizes
 from ..dispatch import CHECKPOINT, COMPILED, INFERENCE, TRAIN, Fast, Supports
-from ..rope import real_table
+from .compiled import compiled_swiglu_halves, compiled_swiglu_heads, compiled_ttt_core
 from .pieces import proj_input, ttt_core_pieces, ttt_inference
 from .reference import (conv_head_tokens, dwconv_inner_grad, dwconv_per_sample, join_heads, normalize_inner_grad,
                         swiglu_heads, swiglu_inner_grads, tap_sums, ttt_core)
 from .train import TTTCore, ttt_core_backward
 
-__all__ = ['TTT', 'TTTCore', 'compiled_swiglu_heads', 'compiled_ttt_core', 'conv_head_tokens', 'dwconv_inner_grad',
-           'dwconv_per_sample', 'join_heads', 'normalize_inner_grad', 'swiglu_heads', 'swiglu_inner_grads', 'proj_input', 'tap_sums', 'ttt_attention', 'ttt_core', 'ttt_core_backward', 'ttt_core_pieces',
+__all__ = ['TTT', 'TTTCore', 'compiled_swiglu_halves', 'compiled_swiglu_heads', 'compiled_ttt_core', 'conv_head_tokens',
+           'dwconv_inner_grad', 'dwconv_per_sample', 'join_heads', 'normalize_inner_grad', 'proj_input', 'swiglu_heads',
+           'swiglu_inner_grads', 'tap_sums', 'ttt_attention', 'ttt_core', 'ttt_core_backward', 'ttt_core_pieces',
            'ttt_inference']
 
 #: inference in pieces / in place, any dtype; the closed-form backward in fp32 / fp64 and under fp16 autocast (its
 #: products in fp16, the token sums and the inner step in fp32: more accurate than the reference there); under bf16
 #: autocast and with half weights the checkpoint path (`TTTCore` recomputing by autograd): in bf16 the closed form
 #: measured no faster on CPU, and its pieces' bf16-rounded token sums make the weight gradients no more accurate.
-#: Inside a block recomputed by `with_cp`, under bf16 autocast on CPU, the reference with its SwiGLU heads compiled
-#: (`compiled_ttt_core`: fused forward and backward; measured faster there than the eager reference, same memory)
+#: Inside a block recomputed by `with_cp`, under bf16 autocast on CPU, the compiled path (`compiled.compiled_ttt_core`:
+#: the SwiGLU heads' forward and backward fused by inductor; measured faster there than the eager reference, same
+#: memory)
 TTT = Supports(inference=Fast(), train=Fast(half='autocast', compute_dtypes=(torch.float16, torch.float32,
                                                                              torch.float64)), checkpoint=True,
                compiled=Fast(half='autocast', devices=('cpu',), compute_dtypes=(torch.bfloat16,)))
-
-
-def _compile_form(qkv, rot, w1, w2, *rest):
-    """`compiled_swiglu_heads`'s arguments as it compiles them: RoPE's table as its real (cos, sin) pair (inductor has
-    no complex kernels; contiguous, so that their strides follow from their sizes, not from the complex table's), and
-    the sizes a layer's width fixes static (`ops.compiled.static_sizes`: qkv's channels, the inner weights, the
-    table's width), so that only the batch and the map's sizes are symbolic."""
-    rot = None if rot is None else tuple(static_sizes(t.contiguous(), [1]) for t in real_table(rot))
-    static_sizes(qkv, [2])
-    for w in (w1, w2):
-        static_sizes(w)
-    return (qkv, rot, w1, w2, *rest)
-
-
-#: `reference.swiglu_heads` compiled by inductor on first use (`ops.compiled.Compiled`), once per layer width (the
-#: channel sizes static, the batch and the map's sizes symbolic), the RoPE table passed as its real (cos, sin) pair
-compiled_swiglu_heads = Compiled(swiglu_heads, "the TTT core's SwiGLU heads (ops.ttt.reference.swiglu_heads)",
-                                 prepare=_compile_form)
-
-
-def compiled_ttt_core(qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
-    """`reference.ttt_core` with its SwiGLU heads compiled by inductor (`compiled_swiglu_heads`) and its conv head
-    eager (`reference.conv_head_tokens`): one grouped convolution per pass (the batch folded into the groups),
-    which measured faster on CPU than the loops inductor generates for the nine taps of a map one head wide (the
-    compiled form must keep the batch symbolic, so it takes the nine shifted products of the export form). The
-    arguments and the result of `ttt_core`."""
-    return join_heads(compiled_swiglu_heads(qkv, rot, w1, w2, num_heads, scale, lr),
-                      conv_head_tokens(qkv, w3, hw_shape, num_heads, scale, lr))
 
 
 def ttt_attention(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, path):
@@ -82,11 +55,11 @@ def ttt_attention(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr,
     """
     if path.impl == INFERENCE:
         return ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, path.piece)
+    if path.impl == COMPILED:
+        return proj(proj_input(compiled_ttt_core(x, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr), proj))
     args = (qkv(x), rot, w1, w2, w3, hw_shape, num_heads, scale, lr)
     if path.impl in (TRAIN, CHECKPOINT):
         y = TTTCore.apply(*args, path.piece, path.impl == TRAIN)
-    elif path.impl == COMPILED:
-        y = compiled_ttt_core(*args)
     else:
         y = ttt_core(*args)
     return proj(proj_input(y, proj))

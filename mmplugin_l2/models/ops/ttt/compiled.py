@@ -1,0 +1,107 @@
+"""The TTT core's compiled path (`Path` compiled: inside `with_cp` blocks under bf16 autocast on CPU): the SwiGLU heads
+compiled by inductor (`ops.compiled.Compiled`), the conv head eager.
+
+* **Halves.** With RoPE and an even head width, the qkv projection's q1 and k1 rows are taken in `rope.halves_order`
+  (each head's pairs as [first members | second members]) and W1, W2's rows in the same order within a head: the
+  inner models see q1 P, k1 P and P^T W for one permutation P, so z = k1 W, the inner gradient's columns (normalised
+  per column, which a row permutation leaves alone) and the read-out q1 W' are those of the reference, and RoPE
+  rotates halves instead of interleaved pairs (contiguous loads and stores, in forward and in backward).
+  Otherwise (no RoPE, or pairs across heads) the reference's order.
+* **The conv head eager**: one grouped convolution per pass (the batch folded into the groups). Compiled it would
+  take the export form (nine shifted products, so that the batch stays symbolic), for which inductor generates a
+  reduction over the whole map on one thread and scalar loops.
+* **Static widths**: the channel sizes are static (`ops.compiled.static_sizes`), the batch and the map's sizes
+  symbolic: one compile per layer width, none per image size.
+"""
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from ..compiled import Compiled, static_sizes
+from ..rope import apply_rope_halves, halves_order, head_table, real_table
+from .reference import (conv_head_tokens, fast_weights, heads, join_heads, split_qkv, swiglu_grad_pair, swiglu_heads,
+                        swiglu_readout, update)
+
+
+def swiglu_heads_halves(qkv, table, w1, w2, num_heads, scale, lr):
+    """`reference.swiglu_heads` on qkv tokens whose q1 and k1 channels are in `rope.halves_order`.
+
+    Args:
+        qkv (Tensor): (B, N, 3C + 3d) tokens [q1 | k1 | v1 | q2 | k2 | v2], q1 and k1 in halves order.
+        table (Tensor): RoPE's `rope.head_table` (H, N, d/2, 2).
+        w1 (Tensor): SwiGLU W1 (1, H, d, d), in the reference's order (its rows are permuted here).
+        w2 (Tensor): SwiGLU W2 (1, H, d, d), likewise.
+        num_heads (int): SwiGLU heads H.
+        scale (float): the inner loss's scale.
+        lr (float): the inner learning rate.
+
+    Returns:
+        Tensor: (B, N, C), the reference's output.
+    """
+    b, n, _ = qkv.shape
+    d = w1.shape[-1]
+    q1, k1, v1 = (heads(t, num_heads) for t in split_qkv(qkv, num_heads, d)[:3])
+    q1, k1 = apply_rope_halves(q1, table), apply_rope_halves(k1, table)
+    order = halves_order(d, 1).to(w1.device)
+    w12 = fast_weights(torch.cat([w1, w2], dim=-1)[..., order, :], k1)
+    w12 = update(w12, swiglu_grad_pair(k1, v1, w12, scale), lr, -2)
+    return swiglu_readout(q1 @ w12).transpose(1, 2).reshape(b, n, num_heads * d)
+
+
+def _widths_static(qkv, table, w1, w2, *rest):
+    """The sizes a layer's width fixes static (qkv's channels, the table's heads and width, the inner weights), so
+    that only the batch and the map's sizes are symbolic. The table (RoPE's real pair for the reference's order) is
+    made contiguous: its view's strides would tie to the batch by duck sizing (a spurious recompile)."""
+    if isinstance(table, tuple):
+        table = tuple(static_sizes(t.contiguous(), [1]) for t in table)
+    elif table is not None:
+        static_sizes(table, [0, 2, 3])
+    static_sizes(qkv, [2])
+    for w in (w1, w2):
+        static_sizes(w)
+    return (qkv, table, w1, w2, *rest)
+
+
+#: `swiglu_heads_halves` compiled by inductor on first use (`ops.compiled.Compiled`), once per layer width
+compiled_swiglu_halves = Compiled(swiglu_heads_halves, "the TTT core's SwiGLU heads (ops.ttt.compiled)",
+                                  prepare=_widths_static)
+#: `reference.swiglu_heads` compiled likewise, for heads without RoPE or with pairs across heads; the RoPE table
+#: reaches it as its real (cos, sin) pair (inductor has no complex kernels)
+compiled_swiglu_heads = Compiled(swiglu_heads, "the TTT core's SwiGLU heads (ops.ttt.reference.swiglu_heads)",
+                                 prepare=lambda qkv, rot, *rest: _widths_static(qkv, real_table(rot), *rest))
+
+
+@functools.lru_cache(maxsize=None)
+def _qkv_order(c, num_heads, d):
+    """The qkv projection's output rows with q1 and k1 in `rope.halves_order`: (3C + 3d,) indices."""
+    order = halves_order(c, num_heads)
+    return torch.cat([order, c + order, torch.arange(2 * c, 3 * c + 3 * d)])
+
+
+def halves_apply(rot, num_heads, d):
+    """Whether the compiled path takes the halves order: RoPE, each head holding whole pairs."""
+    return rot is not None and d % 2 == 0
+
+
+def compiled_ttt_core(x, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
+    """`reference.ttt_core(qkv(x), ...)`: the qkv projection, the SwiGLU heads compiled by inductor (in the halves
+    order where `halves_apply`), the conv head eager.
+
+    Args:
+        x (Tensor): tokens (B, N, C).
+        qkv (nn.Linear): C -> 3C + 3d, the layer's projection.
+        rot, w1, w2, w3, hw_shape, num_heads, scale, lr: as `reference.ttt_core`.
+
+    Returns:
+        Tensor: (B, N, C + d), as `reference.ttt_core(qkv(x), ...)`.
+    """
+    d = w1.shape[-1]
+    if not halves_apply(rot, num_heads, d):
+        tokens = qkv(x)
+        y1 = compiled_swiglu_heads(tokens, rot, w1, w2, num_heads, scale, lr)
+    else:
+        order = _qkv_order(num_heads * d, num_heads, d).to(qkv.weight.device)
+        tokens = F.linear(x, qkv.weight[order], None if qkv.bias is None else qkv.bias[order])
+        y1 = compiled_swiglu_halves(tokens, head_table(rot, num_heads), w1, w2, num_heads, scale, lr)
+    return join_heads(y1, conv_head_tokens(tokens, w3, hw_shape, num_heads, scale, lr))
