@@ -400,6 +400,31 @@ def test_device_check_bad_arguments_say_what_is_allowed(tmp_path, capsys, args, 
     assert e.value.code == 2 and message in err, err
 
 
+def test_device_check_measures_the_compiled_ttt_path_where_asked(tmp_path):
+    """--compiled (auto: on CUDA only; on the CPU the compiled path is the declared one, so both models are the
+    same there) adds H-ViT3-T with_cp with the compiled TTT path on its declared devices and on every device to the
+    amp part and to the speed part (with the authors' recipe where their ViTTT is carried), only where H-ViT3 is
+    checked; the model of the second builds with fast_compile on CUDA too."""
+    dc = _device_check_cli()
+    base = ['--out-dir', str(tmp_path), '--device', 'cpu', '--detection', '64x96/b2', '--headline']
+    forward = {}
+    args = dc.parse_args(base)
+    assert not args.compiled and dc.part_jobs('amp', args, forward) == ['hvit3_t', 'vit3_t', 'l2vit_t', 'rest_s']
+    args = dc.parse_args(base + ['--compiled', 'on'])
+    assert dc.part_jobs('amp', args, forward) == ['hvit3_t', 'vit3_t', 'l2vit_t', 'rest_s', 'hvit3_t_cp',
+                                                  'hvit3_t_cp_compiled']
+    assert dc.part_jobs('parity', args, forward) == ['hvit3_t', 'vit3_t', 'l2vit_t', 'rest_s']
+    assert dc.speed_jobs(args, forward) == [f'{m} 64x96/b2' for m in ('hvit3_t', 'l2vit_t', 'rest_s', 'hvit3_t_cp',
+                                                                      'hvit3_t_cp_compiled', 'swin_t_timm')]
+    args.authors_code = {'ViTTT': str(tmp_path)}
+    assert 'hvit3_t_cp@authors 64x96/b2' in dc.speed_jobs(args, forward)
+    args = dc.parse_args(base + ['--compiled', 'on', '--models', 'l2vit_t'])
+    assert dc.part_jobs('amp', args, forward) == ['l2vit_t']
+    from mmplugin_l2.analysis.models import build
+    assert {m.attn.fast_compile for m in build('hvit3_t_cp_compiled', tiny=True).modules()
+            if hasattr(m, 'attn')} == {('cpu', 'cuda')}
+
+
 #: a file laid out like the authors' ViTTT backbone (narrow widths): our H-ViT3 under their names
 FAKE_VITTT = """
 from mmdet.registry import MODELS

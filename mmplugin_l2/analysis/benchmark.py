@@ -53,6 +53,7 @@ PAIRS = [('vit3_t', 'deit_t'), ('vit3_t', 'deit_t_plain'), ('hvit3_t', 'swin_t')
          ('rest_s', 'swin_t'), ('vit3_t', 'deit_t_timm'), ('hvit3_t', 'swin_t_timm'), ('l2vit_t', 'swin_t_timm'),
          ('rest_s', 'swin_t_timm')] + [(m, m + AUTHORS_TAG) for m in ('hvit3_t', 'l2vit_t', 'rest_s')] + [
     ('hvit3_t_cp', 'swin_t'), ('hvit3_t_cp', 'hvit3_t_cp@authors'), ('hvit3_t', 'hvit3_t_cp@authors'),
+    ('hvit3_t_cp_compiled', 'hvit3_t_cp'),
     ('mask_rcnn_hvit3_t', 'mask_rcnn_hvit3_t@authors'), ('mask_rcnn_hvit3_t', 'mask_rcnn_swin_t')]
 BEGIN, END = '<!-- generated:begin -->', '<!-- generated:end -->'
 #: how the tables head each precision (measure.PRECISIONS)

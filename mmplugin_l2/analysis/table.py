@@ -7,6 +7,9 @@ MODELS = {
     'hvit3_t': dict(type='HViT3', arch='tiny', drop_path_rate=0.),
     # as the H-ViT3 detection configs build it: blocks recomputed in backward
     'hvit3_t_cp': dict(type='HViT3', arch='tiny', drop_path_rate=0., with_cp=True),
+    # the same with the compiled TTT path on every device (declared for the CPU only: the device check measures it)
+    'hvit3_t_cp_compiled': dict(type='HViT3', arch='tiny', drop_path_rate=0., with_cp=True,
+                                fast_compile=('cpu', 'cuda')),
     'hvit3_s': dict(type='HViT3', arch='small', drop_path_rate=0.),
     'hvit3_b': dict(type='HViT3', arch='base', drop_path_rate=0.),
     'vit3_t': dict(type='ViT3', arch='tiny', drop_path_rate=0.),
@@ -60,6 +63,7 @@ DETECTOR_AUTHORS = {'mask_rcnn_hvit3_t': 'hvit3_t_cp'}
 #: name -> how the docs' tables name it
 LABELS = {
     'hvit3_t': 'H-ViT3-T', 'hvit3_t_cp': 'H-ViT3-T with_cp', 'hvit3_s': 'H-ViT3-S', 'hvit3_b': 'H-ViT3-B',
+    'hvit3_t_cp_compiled': 'H-ViT3-T with_cp, TTT compiled on every device',
     'vit3_t': 'ViT3-T', 'vit3_s': 'ViT3-S',
     'vit3_b': 'ViT3-B', 'l2vit_t': 'L2ViT-T', 'l2vit_s': 'L2ViT-S', 'rest_s': 'ResT-S', 'rest_b': 'ResT-B',
     'swin_t': 'Swin-T (mmdet)', 'swin_s': 'Swin-S (mmdet)', 'pvtv2_b2': 'PVTv2-b2 (mmdet)',

@@ -126,6 +126,16 @@ def test_recomputed_regions_do_not_nest():
     with torch.autocast('cpu', torch.bfloat16):
         got.append(choose(m, x.detach(), 16, compiled))           # outside a recomputed region: its checkpoint
     assert got == [(COMPILED, None), (REFERENCE, None), (REFERENCE, None), (CHECKPOINT, None)]
+    # a list of device types replaces the declared devices: ('cuda',) is off on the CPU, ('cpu', 'cuda') on
+    cpu_only = ckpt._replace(compiled=Fast(compute_dtypes=(torch.bfloat16,), devices=('cpu',)))
+    got = []
+    with dispatch.recomputed_region(), torch.autocast('cpu', torch.bfloat16):
+        for switch in (('cuda',), ('cpu', 'cuda'), True):
+            m.fast_compile = switch
+            got.append(choose(m, x.detach(), 16, cpu_only))
+        m.fast_compile = True
+        got.append(choose(m, x.detach(), 16, ckpt._replace(compiled=Fast(devices=('cuda',)))))
+    assert got == [(REFERENCE, None), (COMPILED, None), (COMPILED, None), (REFERENCE, None)]
     with pytest.raises(ZeroDivisionError):
         checkpointed(lambda t: 1 / 0, x)
     assert not dispatch.recomputing()
@@ -191,3 +201,15 @@ def test_layers_take_pieces_only_on_the_policys_devices(name, training):
                 pieces = False
             assert any(p is not None for p in given) == pieces, (devices, given)
             torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize('value', [None, 'cuda', [], ['gpu'], [1], ('cpu', 'cuda:0')])
+def test_fast_compile_switch_rejects_what_is_not_a_bool_or_device_types(value):
+    """`fast_compile`: True, False or device types (kept as a tuple); anything else raises, naming the layer, the
+    value and what is allowed."""
+    from mmplugin_l2.models.layers import TTTAttention
+    from mmplugin_l2.models.ops.dispatch import fast_compile_switch
+    assert fast_compile_switch(['cpu', 'cuda'], 'x') == ('cpu', 'cuda') and fast_compile_switch(False, 'x') is False
+    with pytest.raises(ValueError, match=r"TTTAttention: fast_compile=.*allowed: True .*False, or a list of device "
+                                         r"types such as \['cpu', 'cuda'\]"):
+        TTTAttention(8, 2, fast_compile=value)

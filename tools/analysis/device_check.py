@@ -8,8 +8,8 @@ every failure) in --out-dir.
     python tools/analysis/device_check.py [--device cuda] [--parts preflight parity amp sync speed]
         [--models hvit3_t vit3_t l2vit_t rest_s] [--parity-size 224x320] [--amp-size 512]
         [--headline 1248/b1 2048/b1] [--detection 800x1344/b2] [--precisions fp32 tf32 bf16]
-        [--warmup 2] [--iters 5] [--authors-code ViTTT=PATH L2ViT=PATH ResT=PATH] [--budget 510]
-        [--preflight-s 30] [--tiny] [--out-dir DIR]
+        [--compiled auto|on|off] [--warmup 2] [--iters 5] [--authors-code ViTTT=PATH L2ViT=PATH ResT=PATH]
+        [--budget 510] [--preflight-s 30] [--tiny] [--out-dir DIR]
 
 Needs torch and timm; mmengine and mmcv's Python part (mmcv-lite) to import our backbones; mmdet / mmpretrain
 are used for Swin-T / DeiT-T when they import, else timm's (the report names the source). Measuring code:
@@ -27,7 +27,8 @@ Parts, in priority order (share of what preflight leaves of --budget; time a par
   and where, rel. L2 of all gradients.
 * amp (15 %): one training step at --amp-size, batch 2, under bf16 autocast and fp16 autocast with a
   torch.amp.GradScaler: loss and gradients finite, gradient error against the fp32 step (same weights and
-  input), parameters finite after the optimizer step.
+  input), parameters finite after the optimizer step. With --compiled (the default on CUDA) also H-ViT3-T with_cp
+  with the compiled TTT path on its declared devices and on every device (`COMPILED`), here and in speed.
 * sync (8 %, CUDA only): forward + backward (train, with and without with_cp) and eval forward under
   torch.cuda.set_sync_debug_mode('error').
 * speed (45 %): inference and training step (median, min-max, peak memory) per --precisions: ViT3-T against
@@ -61,6 +62,10 @@ MIN_JOB_S = 10.
 OURS = ['hvit3_t', 'vit3_t', 'l2vit_t', 'rest_s']
 #: the pyramids of the detection speed entries (ViT3-T is the headline's)
 PYRAMIDS = ['hvit3_t', 'l2vit_t', 'rest_s']
+#: the compiled TTT path (H-ViT3's `fast_compile`, measured on CPU only): H-ViT3-T as the detection configs build it
+#: (`with_cp`: the compiled path on the devices it is declared for, the CPU) and with the compiled path on every
+#: device; in the amp and speed parts when --compiled is on (the default on CUDA; on the CPU both are the same)
+COMPILED = ['hvit3_t_cp', 'hvit3_t_cp_compiled']
 #: the fast training path on and off
 PATHS = {'fast': dict(fast_train=True), 'plain': dict(fast_train=False)}
 #: verdicts, fp32 (TF32 off) against float64: outputs within PARITY_TOL (rel. max over stages); gradients (largest
@@ -277,13 +282,19 @@ CHILDREN = dict(preflight=child_preflight, parity=child_parity, amp=child_amp, s
 
 # ---- the driver: jobs, time limits, results ------------------------------------------------------------
 
+def compiled_models(args):
+    """The models of the compiled TTT path's check (`COMPILED`) where --compiled is on and H-ViT3 is checked."""
+    return list(COMPILED) if args.compiled and 'hvit3_t' in args.models else []
+
+
 def speed_jobs(args, forward):
-    """The speed part's jobs 'model HxW/bB': ViT3-T and DeiT-T per --headline entry, the pyramids, their
-    authors' code and Swin-T per --detection entry (Swin-T / DeiT-T from the source preflight found)."""
+    """The speed part's jobs 'model HxW/bB': ViT3-T and DeiT-T per --headline entry, the pyramids (and the
+    compiled TTT path's models), their authors' code and Swin-T per --detection entry (Swin-T / DeiT-T from the
+    source preflight found)."""
     deit = 'deit_t' if forward.get('deit_t') is True else 'deit_t_timm'
     swin = 'swin_t' if forward.get('swin_t') is True else 'swin_t_timm'
     jobs = [f'{m} {s}' for s in args.headline for m in ('vit3_t', deit) if 'vit3_t' in args.models]
-    pyramids = [m for m in PYRAMIDS if m in args.models]
+    pyramids = [m for m in PYRAMIDS if m in args.models] + compiled_models(args)
     for s in args.detection if pyramids else []:
         for m in pyramids:
             jobs.append(f'{m} {s}')
@@ -299,6 +310,8 @@ def part_jobs(part, args, forward):
         return ['all']
     if part == 'speed':
         return speed_jobs(args, forward)
+    if part == 'amp':
+        return list(args.models) + compiled_models(args)
     return list(args.models)
 
 
@@ -397,6 +410,9 @@ def parse_args(argv=None):
     p.add_argument('--detection', nargs='*', type=_spec, default=['800x1344/b2'],
                    help='HxW/bBATCH of the pyramids against Swin-T')
     p.add_argument('--precisions', nargs='+', default=['fp32', 'tf32', 'bf16'], choices=list(PRECISIONS))
+    p.add_argument('--compiled', choices=['auto', 'on', 'off'], default='auto',
+                   help='the compiled TTT path (H-ViT3-T with_cp, compiled on its declared devices and on every '
+                        'device) in the amp and speed parts; auto: on CUDA only')
     p.add_argument('--warmup', type=int, default=2)
     p.add_argument('--iters', type=int, default=5)
     p.add_argument('--authors-code', nargs='+', type=authors_mod.family_path, default=[], metavar='FAMILY=PATH')
@@ -418,6 +434,7 @@ def parse_args(argv=None):
     if args.iters < 1 or args.warmup < 0:
         p.error(f'--iters must be >= 1 and --warmup >= 0, got {args.iters}, {args.warmup}')
     args.authors_code = authors_mod.checked_roots(args.authors_code, p.error)
+    args.compiled = args.compiled == 'on' or (args.compiled == 'auto' and args.device.startswith('cuda'))
     return args
 
 
@@ -493,7 +510,8 @@ def main(argv=None):
     res = dict(args=dict(device=args.device, parts=args.parts, models=args.models, headline=args.headline,
                          detection=args.detection, precisions=args.precisions,
                          parity_size=list(args.parity_size), amp_size=list(args.amp_size), warmup=args.warmup,
-                         iters=args.iters, authors_code=args.authors_code, tiny=args.tiny, budget_s=args.budget),
+                         iters=args.iters, authors_code=args.authors_code, tiny=args.tiny, budget_s=args.budget,
+                         compiled=args.compiled),
                env={}, parts={}, complete=False)
     t0 = time.perf_counter()
     parts = ['preflight'] + [p for p in PARTS if p in args.parts and p != 'preflight']

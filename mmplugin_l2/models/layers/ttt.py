@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from mmengine.model.weight_init import trunc_normal_
 
-from ..ops.dispatch import choose
+from ..ops.dispatch import choose, fast_compile_switch
 from ..ops.memory import DEFAULT_POLICY
 from ..ops.ttt import (TTT, TTTCore, dwconv_inner_grad, dwconv_per_sample, normalize_inner_grad,
                        swiglu_inner_grads, tap_sums, ttt_attention, ttt_core)
@@ -44,9 +44,10 @@ class TTTAttention(nn.Module):
         lr (float): inner learning rate. Default: 1.0.
         fast_train (bool): in training, keep only the qkv tokens for backward and recompute the inner
             models there (`TTTCore`); same gradients, far less memory. Default: True.
-        fast_compile (bool): inside a block recomputed by `with_cp`, run the SwiGLU inner models compiled by
-            inductor where `ops.ttt.TTT` declares it (`ops.ttt.compiled_ttt_core`; the first step compiles).
-            Default: True.
+        fast_compile (bool | Sequence[str]): inside a block recomputed by `with_cp`, run the SwiGLU inner models
+            compiled by inductor where `ops.ttt.TTT` declares it (`ops.ttt.compiled_ttt_core`; the first step
+            compiles); a list of device types (e.g. ['cpu', 'cuda']) runs it on those instead of the declared
+            ones (CPU). Default: True.
     """
 
     #: pieces of tokens; the unit is elements of the (B, tokens, C) input
@@ -62,7 +63,7 @@ class TTTAttention(nn.Module):
         self.scale = scale
         self.lr = lr
         self.fast_train = fast_train
-        self.fast_compile = fast_compile
+        self.fast_compile = fast_compile_switch(fast_compile, type(self).__name__)
         self.qkv = nn.Linear(dim, dim * 3 + d * 3, bias=qkv_bias)
         self.w1 = nn.Parameter(torch.zeros(1, num_heads, d, d))
         self.w2 = nn.Parameter(torch.zeros(1, num_heads, d, d))

@@ -176,6 +176,30 @@ def _path(impl, fast, policy, x, whole_elems):
     return None if fast.pieces_only and piece is None else Path(impl, piece)
 
 
+def fast_compile_switch(value, owner):
+    """A `fast_compile` argument as the layers keep it: a bool, or a tuple of device types (the devices to run the
+    compiled path on, replacing those the op declares); anything else raises, saying what is allowed."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        try:
+            if all(torch.device(v).type == v for v in value):
+                return tuple(value)
+        except RuntimeError:
+            pass
+    raise ValueError(f'{owner}: fast_compile={value!r}; allowed: True (the compiled path on the devices it was '
+                     f"measured faster on), False, or a list of device types such as ['cpu', 'cuda']")
+
+
+def _compiled_fast(fast, switch):
+    """The op's compiled `Fast` as a module's `fast_compile` switch sets it: None where either is off; True keeps
+    the devices the op declares, a sequence of device types replaces them (e.g. ('cpu', 'cuda') to run it on a
+    GPU, where it was not measured)."""
+    if fast is None or not switch:
+        return None
+    return fast if switch is True else fast._replace(devices=tuple(switch))
+
+
 def choose(module, x, whole_elems, supports=Supports(), *, modules=(), acts=(), policy=None):
     """The `Path` of `module`'s op on input `x`, whose whole map holds `whole_elems` elements in the op's
     unit of pieces.
@@ -206,8 +230,8 @@ def choose(module, x, whole_elems, supports=Supports(), *, modules=(), acts=(), 
         fast = supports.train
         path = _path(TRAIN, fast, policy, x, whole_elems) if _takes(fast, x, modules, acts) else None
         if path is None and recomputing():
-            on = getattr(module, 'fast_compile', False) and _takes(supports.compiled, x, modules, acts)
-            return Path(COMPILED, None) if on else Path.reference()
+            on = _compiled_fast(supports.compiled, getattr(module, 'fast_compile', False))
+            return Path(COMPILED, None) if on and _takes(on, x, modules, acts) else Path.reference()
         if path is None and supports.checkpoint:
             path = Path(CHECKPOINT, None)
         return path or Path.reference()
