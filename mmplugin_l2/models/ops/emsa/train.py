@@ -1,8 +1,10 @@
 """EMSA's train path: A @ v over pieces of queries, recomputed piece by piece in backward.
 
 Kept for backward: q, the centred keys, v, the output (in the compute dtype: fp32 for half inputs) and one
-scalar per (image, head) (the IN scale r); no map-sized tensor. Backward of the instance norm:
-dG = r (dA - A mean(dA * A)), where the whole map's mean comes without another pass, sum(dA * A) = sum(dout * out).
+scalar per (image, head) (the IN scale r); no map-sized tensor. Under bf16, dA = dout v^T is a bf16 product, as
+the reference's; the other products of the backward sum over pieces and stay in the compute dtype. Backward of the
+instance norm: dG = r (dA - A mean(dA * A)), where the whole map's mean comes without another pass,
+sum(dA * A) = sum(dout * out).
 """
 import torch
 
@@ -35,6 +37,10 @@ class EMSAPiecesFunction(torch.autograd.Function):
         cdt = compute_dtype(q)
         dout = dout.contiguous()
         vc = v.to(cdt)
+        # dA = dout v^T in bf16 where v is bf16, as the reference's autograd takes it under bf16 autocast (dout and v
+        # hold bf16 values, the product is rounded once, then used in fp32): on CPU a bf16 product runs on the
+        # matrix unit, several times the fp32 one's rate. fp16 keeps fp32 (its range; CPUs lack an fp16 unit).
+        bf16 = v.dtype == torch.bfloat16 and cdt != v.dtype
         dq = [] if need_q else None
         dk = torch.zeros_like(kc, dtype=cdt) if need_k else None
         dv = torch.zeros_like(v, dtype=cdt) if need_v else None
@@ -50,7 +56,7 @@ class EMSAPiecesFunction(torch.autograd.Function):
                     qp = q[:, :, p].detach().requires_grad_(need_q)
                     m = softmax_map(qp, kd, ctx.scale) if weight is None else deviation_map(qp, kd, ctx.scale, wd)
                 do = dout[:, :, p].to(cdt)
-                da = do @ vc.transpose(-2, -1)
+                da = (dout[:, :, p].to(v.dtype) @ v.transpose(-2, -1)).to(cdt) if bf16 else do @ vc.transpose(-2, -1)
                 if weight is None:
                     a, dm = m.detach(), da
                 else:
