@@ -80,8 +80,8 @@ def _qkv_order(c, num_heads, d):
 
 
 def halves_apply(rot, num_heads, d):
-    """Whether the compiled path takes the halves order: RoPE, each head holding whole pairs."""
-    return rot is not None and d % 2 == 0
+    """Whether the compiled path takes the halves order: RoPE's complex table, each head holding whole pairs."""
+    return torch.is_tensor(rot) and rot.is_complex() and d % 2 == 0
 
 
 def compiled_ttt_core(x, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
