@@ -36,11 +36,11 @@ class EMSAPiecesFunction(torch.autograd.Function):
         need_q, need_k, need_v, need_w = ctx.needs_input_grad[:4]
         cdt = compute_dtype(q)
         dout = dout.contiguous()
-        vc = v.to(cdt)
         # dA = dout v^T in bf16 where v is bf16, as the reference's autograd takes it under bf16 autocast (dout and v
         # hold bf16 values, the product is rounded once, then used in fp32): on CPU a bf16 product runs on the
         # matrix unit, several times the fp32 one's rate. fp16 keeps fp32 (its range; CPUs lack an fp16 unit).
         bf16 = v.dtype == torch.bfloat16 and cdt != v.dtype
+        vc = None if bf16 else v.to(cdt)
         dq = [] if need_q else None
         dk = torch.zeros_like(kc, dtype=cdt) if need_k else None
         dv = torch.zeros_like(v, dtype=cdt) if need_v else None

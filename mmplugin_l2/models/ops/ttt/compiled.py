@@ -20,8 +20,7 @@ import torch.nn.functional as F
 
 from ..compiled import Compiled, static_sizes
 from ..rope import apply_rope_halves, halves_order, head_table, real_table
-from .reference import (conv_head_tokens, fast_weights, heads, join_heads, split_qkv, swiglu_grad_pair, swiglu_heads,
-                        swiglu_readout, update)
+from .reference import conv_head_tokens, heads, join_heads, split_qkv, swiglu_heads, swiglu_step_readout
 
 
 def swiglu_heads_halves(qkv, table, w1, w2, num_heads, scale, lr):
@@ -39,14 +38,11 @@ def swiglu_heads_halves(qkv, table, w1, w2, num_heads, scale, lr):
     Returns:
         Tensor: (B, N, C), the reference's output.
     """
-    b, n, _ = qkv.shape
     d = w1.shape[-1]
     q1, k1, v1 = (heads(t, num_heads) for t in split_qkv(qkv, num_heads, d)[:3])
     q1, k1 = apply_rope_halves(q1, table), apply_rope_halves(k1, table)
     order = halves_order(d, 1).to(w1.device)
-    w12 = fast_weights(torch.cat([w1, w2], dim=-1)[..., order, :], k1)
-    w12 = update(w12, swiglu_grad_pair(k1, v1, w12, scale), lr, -2)
-    return swiglu_readout(q1 @ w12).transpose(1, 2).reshape(b, n, num_heads * d)
+    return swiglu_step_readout(q1, k1, v1, torch.cat([w1, w2], dim=-1)[..., order, :], scale, lr)
 
 
 def _widths_static(qkv, table, w1, w2, *rest):
@@ -79,8 +75,9 @@ def _qkv_order(c, num_heads, d):
     return torch.cat([order, c + order, torch.arange(2 * c, 3 * c + 3 * d)])
 
 
-def halves_apply(rot, num_heads, d):
-    """Whether the compiled path takes the halves order: RoPE's complex table, each head holding whole pairs."""
+def halves_apply(rot, d):
+    """Whether the compiled path takes the halves order: RoPE's complex table, heads of width d holding whole
+    pairs."""
     return torch.is_tensor(rot) and rot.is_complex() and d % 2 == 0
 
 
@@ -97,7 +94,7 @@ def compiled_ttt_core(x, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
         Tensor: (B, N, C + d), as `reference.ttt_core(qkv(x), ...)`.
     """
     d = w1.shape[-1]
-    if not halves_apply(rot, num_heads, d):
+    if not halves_apply(rot, d):
         tokens = qkv(x)
         y1 = compiled_swiglu_heads(tokens, rot, w1, w2, num_heads, scale, lr)
     else:

@@ -225,13 +225,19 @@ def swiglu_heads(qkv, rot, w1, w2, num_heads, scale, lr, fused=False):
     Returns:
         Tensor: (B, N, C).
     """
-    b, n, _ = qkv.shape
     d = w1.shape[-1]
     q1, k1, v1 = split_qkv(qkv, num_heads, d)[:3]
     if rot is not None:
         q1, k1 = apply_rope(q1, rot), apply_rope(k1, rot)
     q1, k1, v1 = (heads(t, num_heads) for t in (q1, k1, v1))
-    w12 = fast_weights(torch.cat([w1, w2], dim=-1), k1)
+    return swiglu_step_readout(q1, k1, v1, torch.cat([w1, w2], dim=-1), scale, lr, fused)
+
+
+def swiglu_step_readout(q1, k1, v1, w12, scale, lr, fused=False):
+    """The SwiGLU heads' inner step on (k1, v1) and read-out of q1, from per-head (B, H, N, d) maps (q1, k1 rotated)
+    and [W1 | W2] (1, H, d, 2d): tokens (B, N, H d)."""
+    b, num_heads, n, d = q1.shape
+    w12 = fast_weights(w12, k1)
     w12 = update(w12, swiglu_grad_pair(k1, v1, w12, scale, fused), lr, -2)
     return swiglu_readout(q1 @ w12).transpose(1, 2).reshape(b, n, num_heads * d)
 
