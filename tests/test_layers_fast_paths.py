@@ -18,6 +18,7 @@ from mmplugin_l2.models.layers import (CPE, LCM, PA, Conv2dCL, ConvDownsample, C
                                       L2ViTStem, MemoryPolicy, Mlp, ResTPatchEmbed, ResTStem, set_memory_policy)
 from mmplugin_l2.models.ops import INFERENCE, INFERENCE_ONLY, TRAIN, Path, choose, dispatch
 from mmplugin_l2.models.ops.conv.naive import batch_norm as batch_norm_naive
+from mmplugin_l2.models.ops.tokens import channels_last, map_to_tokens, tokens_to_map
 
 
 class RecordingPolicy(MemoryPolicy):
@@ -234,6 +235,28 @@ def test_conv2d_channels_last_equals_conv2d(groups, k, stride):
     assert a.is_contiguous(memory_format=torch.channels_last)
     a.sum().backward()
     assert cl.weight.grad.shape == cl.weight.shape
+
+
+@pytest.mark.parametrize('batch', [1, 2])
+@pytest.mark.parametrize('k', [3, 7])
+@pytest.mark.parametrize('autocast', [False, True])
+def test_token_maps_keep_depthwise_convs_channels_last(batch, k, autocast):
+    """tokens_to_map's view has the batch stride of a channels-last tensor at batch 1 too: torch's CPU
+    convolutions read all four strides, and a size-1 batch dimension with another stride sent depth-wise
+    convolutions to the NCHW kernels (several times slower) and NCHW outputs, forward and backward."""
+    torch.manual_seed(0)
+    h, w, c = 9, 11, 16
+    tokens = nn.Linear(c, c)(torch.randn(batch, h * w, c))       # as a layer's output reaches a conv
+    x = tokens_to_map(tokens, (h, w))
+    assert x.stride() == (h * w * c, 1, w * c, c)
+    conv = Conv2dCL(c, c, k, padding=k // 2, groups=c)
+    with torch.autocast('cpu', torch.bfloat16, enabled=autocast):
+        y = conv(x)
+    assert channels_last(y)
+    grads = []
+    x.register_hook(grads.append)
+    map_to_tokens(y).float().pow(2).sum().backward()
+    assert channels_last(grads[0])
 
 
 # ---- BatchNorm gradients in every memory layout -------------------------------------------------------

@@ -14,10 +14,15 @@ def check_token_count(n, hw_shape):
 
 def tokens_to_map(x, hw_shape):
     """(B, N, C) tokens -> (B, C, H, W) map (a channels-last view of the tokens when they are contiguous;
-    under torch.compile a copy, see `compiled_map`)."""
+    under torch.compile a copy, see `compiled_map`).
+
+    The view is made by splitting N and permuting, so that its batch stride is H*W*C even at batch 1. CPU
+    convolutions choose their memory layout from all four strides: a channels-last map whose size-1 batch
+    dimension carries another stride (as `x.transpose(1, 2).reshape(...)` leaves it) runs depth-wise
+    convolutions in the NCHW layout, several times slower forward and backward, and returns NCHW maps."""
     b, n, c = x.shape
     check_token_count(n, hw_shape)
-    return compiled_map(x.transpose(1, 2).reshape(b, c, *hw_shape))
+    return compiled_map(x.reshape(b, *hw_shape, c).permute(0, 3, 1, 2))
 
 
 def compiled_map(x):

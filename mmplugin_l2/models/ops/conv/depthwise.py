@@ -11,11 +11,13 @@ weight gradient
 which for each sample b is itself a depth-wise convolution: x_p[b] (1, C, H_p, W_p) convolved with dy[b] as C
 kernels (C, 1, H_out, W_out) (groups C, stride d, dilation s) gives sample b's term; the terms are summed over the
 batch. On CPU, oneDNN's own depth-wise weight gradient is slow on large maps with large kernels, and slower in
-bf16 than in fp32; the per-sample convolution is oneDNN's depth-wise forward kernel. For bf16 / fp16 x and dy it
-runs in fp32 on their values (exact in fp32), so the weight gradient has no half-precision rounding at all: more
-accurate than autocast's (one bf16 rounding of the whole sum), and still several times faster than it on large
-maps (docs/mixed_precision.md). On kernels smaller than 7 x 7 oneDNN's own weight gradient is the faster one and
-runs instead (`PER_SAMPLE_MIN_KERNEL`).
+bf16 than in fp32; the per-sample convolution is oneDNN's depth-wise forward kernel. At batch 1 with bf16 x and dy
+it runs in bf16: the kernel sums in fp32 and rounds the whole sum once, which is autocast's own rounding of the
+weight gradient, at about half the fp32 convolution's time. Otherwise (several samples, or fp16) it runs in fp32
+on their values (exact in fp32): each sample's term rounded to bf16 before the sum over the batch could be worse
+than autocast's one rounding, and in fp32 the weight gradient has no half-precision rounding at all, still several
+times faster than oneDNN's own (docs/mixed_precision.md). On kernels smaller than 7 x 7 oneDNN's own weight
+gradient is the faster one and runs instead (`PER_SAMPLE_MIN_KERNEL`).
 
 The input gradient is the transposed convolution of dy with W. oneDNN's bf16 kernel for it is slow on CPU where
 the stride is above 1 (tens of times the forward, several times the same gradient in fp32 with its casts:
@@ -32,8 +34,9 @@ from ..dtypes import autocast_off, compute_dtype, compute_dtype_of
 def depthwise_weight_grad(x, grad, kernel_size, stride=(1, 1), padding=(0, 0), dilation=(1, 1)):
     """dW (C, 1, kh, kw) of the depth-wise convolution of x (B, C, H, W) whose output gradient is grad
     (B, C, H_out, W_out): one depth-wise convolution per sample (module docstring), computed and summed over the
-    batch in `dtypes.compute_dtype(x)` (fp32 for bf16 / fp16 x), the result in that dtype."""
-    dtype = compute_dtype(x)
+    batch in `dtypes.compute_dtype(x)` (fp32 for bf16 / fp16 x; bf16 for a bf16 x at batch 1, one rounding of the
+    whole sum), the result in that dtype."""
+    dtype = x.dtype if x.dtype == torch.bfloat16 and x.shape[0] == 1 else compute_dtype(x)
     x, grad = x.to(dtype), grad.to(dtype)
     c = x.shape[1]
     kh, kw = kernel_size
