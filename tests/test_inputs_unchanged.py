@@ -647,10 +647,17 @@ def test_every_op_path_has_a_case():
         assert declared and declared == run, (op, declared - run)
 
 
+#: autograd Functions that compute one torch op another way (the same values and derivative), inside the paths
+#: above and not a path themselves: EMSA's expm1 through float64 on CPU (out of place; tests/ops/test_emsa.py)
+KERNEL_FUNCTIONS = {'_Expm1Float32CPU'}
+
+
 def test_every_autograd_function_has_a_case():
     expected = {case.expect(p) for case in OP_CASES.values() for impl in (TRAIN, CHECKPOINT)
                 for p in (Path(impl), Path(impl, PIECE))}
     names = {f.__name__ for f in AUTOGRAD_FUNCTIONS}
+    assert KERNEL_FUNCTIONS <= names
+    names -= KERNEL_FUNCTIONS
     assert len(names) >= 7 and names <= expected, names - expected
 
 

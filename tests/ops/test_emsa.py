@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from conftest import saved_for_backward
 
 import mmplugin_l2.models.ops.emsa as emsa_op
+import mmplugin_l2.models.ops.emsa.reference as reference_op
 from mmplugin_l2.models.layers import EMSA
 from mmplugin_l2.models.ops import INFERENCE, TRAIN, Path
 from mmplugin_l2.models.ops.emsa import emsa_attention, emsa_attention_reference
@@ -266,3 +267,56 @@ def test_layer_against_slow_reference(heads, sr, hw, piece):
             p.add_(torch.randn_like(p) * 0.3)
     x = torch.randn(2, hw[0] * hw[1], c, dtype=torch.float64)
     torch.testing.assert_close(m(x, hw), slow_emsa(m, x, hw), rtol=0, atol=1e-10)
+
+
+# ---- expm1 through float64 (torch's CPU float32 expm1 is not vectorized) -------------------------------------
+def _expm1_input(n):
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(n // 4, generator=g) * s for s in (1e-6, 0.3, 5., 30.)])
+    return torch.cat([x, torch.tensor([0., -0., 1e-30, -1e-30, 64., -64., -104., -200.])])
+
+
+@pytest.mark.parametrize('n', [64, 2 * reference_op.EXPM1_CHUNK + 44])
+def test_expm1_is_torchs_correctly_rounded(n):
+    """`expm1` / `expm1_` on float32 CPU tensors (over several float64 chunks too) give float64 expm1 rounded once to
+    float32, within torch's own float32 expm1's rounding of it, and torch's derivative (grad * (expm1(x) + 1))."""
+    x = _expm1_input(n)
+    exact = torch.expm1(x.double())
+    y = reference_op.expm1(x)
+    assert y.dtype == torch.float32
+    assert torch.equal(y, exact.float())
+    assert torch.equal(reference_op.expm1_(x.clone()), exact.float())
+    torch.testing.assert_close(y, torch.expm1(x), rtol=2 * torch.finfo(torch.float32).eps, atol=0)
+    xs = x.reshape(-1, 4).t().requires_grad_()             # non-contiguous, through autograd
+    g = torch.randn(xs.shape)
+    ys = reference_op.expm1(xs)
+    ys.backward(g)
+    assert torch.equal(ys, exact.float().reshape(-1, 4).t())
+    assert torch.equal(xs.grad, g * (ys.detach() + 1))
+
+
+def test_emsa_runs_no_float32_expm1_kernel():
+    """The train function and the inference pieces (the fp32 compute dtype of bf16 q, k, v) never run torch's
+    float32 expm1 kernel on CPU, the slow one: their expm1 goes through float64."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Expm1Dtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.expm1, torch.ops.aten.expm1_):
+                self.dtypes.add(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    q, k, v = (t.bfloat16().requires_grad_() for t in _qkv(1, 2, 40, 12, 8))
+    w = torch.randn(2, 2, 1, 1, requires_grad=True)
+    mode = Expm1Dtypes()
+    with mode:
+        out = _op(Path(TRAIN, 128))(q, k, v, w)
+        out.float().sum().backward()
+        with torch.no_grad():
+            _op(Path(INFERENCE, 128))(q, k, v, w)
+    assert mode.dtypes == {torch.float64}

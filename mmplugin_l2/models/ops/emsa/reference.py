@@ -17,7 +17,8 @@ nothing is left). The same function is computed here without that cancellation:
   uniform is P - 1 / N' = (e - e_) / (N' (1 + e_)): G = (e - e_) / (1 + e_) holds it at O(|T|) scale
   (`deviation_map`), and A = G / sqrt(mean(G^2) + eps N'^2) is the instance norm of P.
 * the elementwise part (expm1, means, the norm) runs in fp32 when q, k, v are fp16 / bf16; the two matmuls
-  run in the input dtype. Nothing depends on the autocast state, so a forward and its recomputation in
+  run in the input dtype. On CPU a float32 expm1 is computed in float64 chunks (`expm1`): torch's float32
+  kernel there is not vectorized, its float64 one is, and the result is the correctly rounded value. Nothing depends on the autocast state, so a forward and its recomputation in
   backward see the same dtypes on every device.
 
 The single-head form (a plain softmax) is already well-conditioned; it takes the centred keys too, and on
@@ -78,16 +79,67 @@ def softmax_map(q, kc, scale):
     return torch.softmax(s, dim=-1, out=s)
 
 
+#: elements per float64 chunk of `expm1` on CPU (1 MB, in cache)
+EXPM1_CHUNK = 2 ** 17
+
+
+def _expm1_through_float64(x, out):
+    """out = expm1(x) for a contiguous float32 x on CPU, computed in float64 chunk by chunk (the result rounded
+    once to float32: correctly rounded). torch's CPU kernel for float32 expm1 is not vectorized (torch 2.14: about
+    17x its exp per element), its float64 one is: this takes about a sixth of its time. `out` may be x."""
+    for xs, os in zip(x.view(-1).split(EXPM1_CHUNK), out.view(-1).split(EXPM1_CHUNK)):
+        os.copy_(torch.expm1(xs.double()))
+    return out
+
+
+class _Expm1Float32CPU(torch.autograd.Function):
+    """expm1 with torch's derivative (grad * (expm1(x) + 1), from the kept output) and the forward above."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = _expm1_through_float64(x.contiguous(), torch.empty(x.shape, dtype=x.dtype))
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, = ctx.saved_tensors
+        return grad * (y + 1)
+
+
+def _fast_expm1(x):
+    """Whether `expm1` / `expm1_` take the float64 route for x: float32 on CPU, not traced (export and
+    torch.compile see torch.expm1)."""
+    return x.dtype == torch.float32 and x.device.type == 'cpu' and not exporting()
+
+
+def expm1(x):
+    """torch.expm1(x), out of place and differentiable; float32 on CPU through float64 chunks (same values, the
+    derivative as torch's)."""
+    if not _fast_expm1(x):
+        return torch.expm1(x)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Expm1Float32CPU.apply(x)
+    return _expm1_through_float64(x.contiguous(), torch.empty(x.shape, dtype=x.dtype))
+
+
+def expm1_(x):
+    """x.expm1_() (nothing records autograd); float32 on CPU through float64 chunks."""
+    if _fast_expm1(x) and x.is_contiguous():
+        return _expm1_through_float64(x, x)
+    return x.expm1_()
+
+
 def deviation_map(q, kc, scale, weight):
     """G = N' (softmax(T) - 1 / N') for the bias-free mixed logits T of q (B, h, n, d) and centred keys
     kc (B, h, N', d): (B, h, n, N') in the compute dtype, without cancellation. The rows of G sum to zero."""
     t = _logits(q, kc, scale, weight)
     c = (t.detach().amax(dim=-1, keepdim=True) - _EXP_LIMIT).clamp_min_(0)
     if _records(t):
-        e = torch.expm1(t - c)
+        e = expm1(t - c)
         e_mean = e.mean(dim=-1, keepdim=True)
         return (e - e_mean) / (1 + e_mean)
-    e = t.sub_(c).expm1_()
+    e = expm1_(t.sub_(c))
     e_mean = e.mean(dim=-1, keepdim=True)
     return e.sub_(e_mean).div_(e_mean.add_(1))
 
