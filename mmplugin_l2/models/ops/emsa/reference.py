@@ -64,10 +64,18 @@ def _logits(q, kc, scale, weight):
     if weight is None:
         s = s.to(cdt)
         return s * scale if records else s.mul_(scale)
-    w = weight[:, :, 0, 0].to(cdt) * scale
-    # (B, h, h) @ (B, h, n * N'): the conv's sums on the map as it lies (no layout copy); w expanded over
-    # the batch so that the FLOP counter's matmul rule counts every image
-    s = s.to(cdt)
+    return mix_heads(head_mixing(weight, scale, cdt), s.to(cdt))
+
+
+def head_mixing(weight, scale, dtype):
+    """The (h, h) matrix that mixes the heads' logits: the 1x1 conv's weight (h, h, 1, 1) times the scale."""
+    return weight[:, :, 0, 0].to(dtype) * scale
+
+
+def mix_heads(w, s):
+    """w (h, h) applied across the heads of s (B, h, n, N'): (B, h, h) @ (B, h, n * N'), the conv's sums on the
+    map as it lies (no layout copy); w expanded over the batch so that the FLOP counter's matmul rule counts
+    every image."""
     return torch.matmul(w.expand(s.shape[0], -1, -1), s.flatten(2)).view_as(s)
 
 
@@ -133,7 +141,13 @@ def expm1_(x):
 def deviation_map(q, kc, scale, weight):
     """G = N' (softmax(T) - 1 / N') for the bias-free mixed logits T of q (B, h, n, d) and centred keys
     kc (B, h, N', d): (B, h, n, N') in the compute dtype, without cancellation. The rows of G sum to zero."""
-    t = _logits(q, kc, scale, weight)
+    return deviation_of(_logits(q, kc, scale, weight))
+
+
+def deviation_of(t):
+    """G = N' (softmax(t) - 1 / N') = (e - mean(e)) / (1 + mean(e)), e = expm1(t - c) over the last dimension of
+    the logits t (c: a per-row shift where a row reaches `_EXP_LIMIT`). In place on t where nothing records
+    autograd."""
     c = (t.detach().amax(dim=-1, keepdim=True) - _EXP_LIMIT).clamp_min_(0)
     if _records(t):
         e = expm1(t - c)
@@ -142,6 +156,17 @@ def deviation_map(q, kc, scale, weight):
     e = expm1_(t.sub_(c))
     e_mean = e.mean(dim=-1, keepdim=True)
     return e.sub_(e_mean).div_(e_mean.add_(1))
+
+
+def deviation_map_backward(g, dg):
+    """dT, the gradient of the mixed logits T that `deviation_map` made G (B, h, n, N') from, given dG:
+
+        dT = (dG - mean_j(dG (1 + G))) (1 + G)
+
+    (1 + G = N' softmax(T), so this is softmax's backward; the shift c of large rows drops out). Needs only G.
+    Without autograd, in place: dg becomes dT, g becomes 1 + G."""
+    a1 = g.add_(1)
+    return dg.sub_((dg * a1).mean(dim=-1, keepdim=True)).mul_(a1)
 
 
 def in_scale(sum_sq, count, n_keys, eps):

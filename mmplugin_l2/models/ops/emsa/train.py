@@ -4,13 +4,16 @@ Kept for backward: q, the centred keys, v, the output (in the compute dtype: fp3
 scalar per (image, head) (the IN scale r); no map-sized tensor. Under bf16, dA = dout v^T is a bf16 product, as
 the reference's; the other products of the backward sum over pieces and stay in the compute dtype. Backward of the
 instance norm: dG = r (dA - A mean(dA * A)), where the whole map's mean comes without another pass,
-sum(dA * A) = sum(dout * out).
+sum(dA * A) = sum(dout * out). The deviation map G is recomputed without autograd and its own backward is in
+closed form (`reference.deviation_map_backward`: dT = (dG - mean(dG (1 + G))) (1 + G), from G alone, in place),
+then the head mixing's and the logits' products as autograd would take them (the logits' in q's dtype). The
+single-head form's softmax map keeps autograd (one fused backward kernel).
 """
 import torch
 
 from ..dtypes import autocast_off, compute_dtype
 from .pieces import emsa_in_pieces, query_pieces
-from .reference import deviation_map, softmax_map
+from .reference import deviation_map_backward, deviation_of, head_mixing, mix_heads, softmax_map
 
 
 class EMSAPiecesFunction(torch.autograd.Function):
@@ -48,31 +51,45 @@ class EMSAPiecesFunction(torch.autograd.Function):
         if weight is not None:
             count = q.shape[2] * kc.shape[2]
             mean_daa = ((dout.to(cdt) * out).sum(dim=(2, 3)) / count)[..., None, None]
-        kd = kc.detach().requires_grad_(need_k)
-        wd = weight.detach().requires_grad_(need_w) if weight is not None else None
+        if weight is None:
+            kd = kc.detach().requires_grad_(need_k)
+        else:
+            w = head_mixing(weight, ctx.scale, cdt)
         with autocast_off(q.device.type):
             for p in ctx.pieces:
-                with torch.enable_grad():
-                    qp = q[:, :, p].detach().requires_grad_(need_q)
-                    m = softmax_map(qp, kd, ctx.scale) if weight is None else deviation_map(qp, kd, ctx.scale, wd)
                 do = dout[:, :, p].to(cdt)
                 da = (dout[:, :, p].to(v.dtype) @ v.transpose(-2, -1)).to(cdt) if bf16 else do @ vc.transpose(-2, -1)
-                if weight is None:
-                    a, dm = m.detach(), da
-                else:
-                    a = m.detach() * r
-                    dm = r * (da - a * mean_daa)
+                if weight is None:      # the softmax map: its backward by autograd (one fused kernel)
+                    with torch.enable_grad():
+                        qp = q[:, :, p].detach().requires_grad_(need_q)
+                        m = softmax_map(qp, kd, ctx.scale)
+                    a = m.detach()
+                    if need_v:
+                        dv += a.transpose(-2, -1) @ do
+                    inputs = [t for t, need in ((qp, need_q), (kd, need_k)) if need]
+                    if inputs:
+                        grads = list(torch.autograd.grad(m, inputs, da))
+                        if need_q:
+                            dq.append(grads.pop(0))
+                        if need_k:
+                            dk += grads.pop(0)
+                    continue
+                # the deviation map G, recomputed without autograd; its backward in closed form
+                qp = q[:, :, p]
+                s = (qp @ kc.transpose(-2, -1)).to(cdt)
+                g = deviation_of(mix_heads(w, s))
+                a = g * r
                 if need_v:
                     dv += a.transpose(-2, -1) @ do
-                inputs = [t for t, need in ((qp, need_q), (kd, need_k), (wd, need_w)) if need]
-                if inputs:
-                    grads = list(torch.autograd.grad(m, inputs, dm))
+                dt = deviation_map_backward(g, (da - a * mean_daa).mul_(r))
+                if need_w:
+                    dw += (dt.flatten(2) @ s.flatten(2).transpose(-2, -1)).sum(0)[..., None, None] * ctx.scale
+                if need_q or need_k:
+                    ds = mix_heads(w.t(), dt).to(q.dtype)
                     if need_q:
-                        dq.append(grads.pop(0))
+                        dq.append(ds @ kc)
                     if need_k:
-                        dk += grads.pop(0)
-                    if need_w:
-                        dw += grads.pop(0)
+                        dk += ds.transpose(-2, -1) @ qp
         if need_q:
             dq = torch.cat(dq, dim=2)
         if need_v:
