@@ -269,7 +269,7 @@ def test_layer_against_slow_reference(heads, sr, hw, piece):
     torch.testing.assert_close(m(x, hw), slow_emsa(m, x, hw), rtol=0, atol=1e-10)
 
 
-# ---- expm1 through float64 (torch's CPU float32 expm1 is not vectorized) -------------------------------------
+# ---- expm1 through float64 (torch's CPU float32 expm1 is slow) --------------------------------------------------
 def _expm1_input(n):
     g = torch.Generator().manual_seed(0)
     x = torch.cat([torch.randn(n // 4, generator=g) * s for s in (1e-6, 0.3, 5., 30.)])
