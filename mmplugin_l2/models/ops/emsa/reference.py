@@ -92,11 +92,13 @@ def softmax_map(q, kc, scale):
 EXPM1_CHUNK = 2 ** 17
 
 
-def _expm1_through_float64(x, out):
-    """out = expm1(x) for a contiguous float32 x on CPU, computed in float64 chunk by chunk (the result rounded
-    once to float32: correctly rounded). torch's CPU kernel for float32 expm1 is slow (torch 2.14: about 17x its
-    exp per element, as if not vectorized), its float64 one is not: this takes about a sixth of its time.
-    `out` may be x."""
+def _expm1_through_float64(x, out=None):
+    """out = expm1(x) for a float32 x on CPU (contiguous where `out` is x; `out` None: a new contiguous tensor),
+    computed in float64 chunk by chunk (the result rounded once to float32: correctly rounded). torch's CPU
+    kernel for float32 expm1 is slow (torch 2.14: about 17x its exp per element, as if not vectorized), its
+    float64 one is not: this takes about a sixth of its time."""
+    if out is None:
+        x, out = x.contiguous(), torch.empty(x.shape, dtype=x.dtype)
     for xs, os in zip(x.view(-1).split(EXPM1_CHUNK), out.view(-1).split(EXPM1_CHUNK)):
         os.copy_(torch.expm1(xs.double()))
     return out
@@ -107,7 +109,7 @@ class _Expm1Float32CPU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        y = _expm1_through_float64(x.contiguous(), torch.empty(x.shape, dtype=x.dtype))
+        y = _expm1_through_float64(x)
         ctx.save_for_backward(y)
         return y
 
@@ -130,7 +132,7 @@ def expm1(x):
         return torch.expm1(x)
     if torch.is_grad_enabled() and x.requires_grad:
         return _Expm1Float32CPU.apply(x)
-    return _expm1_through_float64(x.contiguous(), torch.empty(x.shape, dtype=x.dtype))
+    return _expm1_through_float64(x)
 
 
 def expm1_(x):

@@ -64,32 +64,29 @@ class EMSAPiecesFunction(torch.autograd.Function):
                         qp = q[:, :, p].detach().requires_grad_(need_q)
                         m = softmax_map(qp, kd, ctx.scale)
                     a = m.detach()
-                    if need_v:
-                        dv += a.transpose(-2, -1) @ do
-                    inputs = [t for t, need in ((qp, need_q), (kd, need_k)) if need]
-                    if inputs:
-                        grads = list(torch.autograd.grad(m, inputs, da))
-                        if need_q:
-                            dq.append(grads.pop(0))
-                        if need_k:
-                            dk += grads.pop(0)
-                    continue
-                # the deviation map G, recomputed without autograd; its backward in closed form
-                qp = q[:, :, p]
-                s = (qp @ kc.transpose(-2, -1)).to(cdt)
-                g = deviation_of(mix_heads(w, s))
-                a = g * r
+                else:                   # the deviation map G, recomputed without autograd
+                    qp = q[:, :, p]
+                    s = (qp @ kc.transpose(-2, -1)).to(cdt)
+                    g = deviation_of(mix_heads(w, s))
+                    a = g * r
                 if need_v:
                     dv += a.transpose(-2, -1) @ do
-                dt = deviation_map_backward(g, (da - a * mean_daa).mul_(r))
-                if need_w:
-                    dw += (dt.flatten(2) @ s.flatten(2).transpose(-2, -1)).sum(0)[..., None, None] * ctx.scale
-                if need_q or need_k:
-                    ds = mix_heads(w.t(), dt).to(q.dtype)
-                    if need_q:
-                        dq.append(ds @ kc)
-                    if need_k:
-                        dk += ds.transpose(-2, -1) @ qp
+                if weight is None:
+                    inputs = [t for t, need in ((qp, need_q), (kd, need_k)) if need]
+                    grads = list(torch.autograd.grad(m, inputs, da)) if inputs else []
+                    dq_p = grads.pop(0) if need_q else None
+                    dk_p = grads.pop(0) if need_k else None
+                else:       # G's backward in closed form, then the head mixing's and the logits' products
+                    dt = deviation_map_backward(g, (da - a * mean_daa).mul_(r))
+                    if need_w:
+                        dw += (dt.flatten(2) @ s.flatten(2).transpose(-2, -1)).sum(0)[..., None, None] * ctx.scale
+                    ds = mix_heads(w.t(), dt).to(q.dtype) if need_q or need_k else None
+                    dq_p = ds @ kc if need_q else None
+                    dk_p = ds.transpose(-2, -1) @ qp if need_k else None
+                if need_q:
+                    dq.append(dq_p)
+                if need_k:
+                    dk += dk_p
         if need_q:
             dq = torch.cat(dq, dim=2)
         if need_v:
