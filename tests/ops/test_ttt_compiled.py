@@ -151,3 +151,35 @@ def test_compiled_inside_a_recomputation_lets_the_checkpoint_stop_it(monkeypatch
     assert core.failed is None
     want = (2 * x.sin() * (x.sin() ** 2).exp() * x.cos()).detach()
     torch.testing.assert_close(x.grad, want, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize('with_cp', [False, True])
+def test_compiled_path_recomputes_its_core_once_in_backward(with_cp, monkeypatch):
+    """Under bf16 autocast on CPU a training TTT layer takes the compiled path with or without `with_cp`: without,
+    it keeps the qkv tokens and its own checkpoint recomputes the core in backward (the memory of the checkpoint
+    path); inside a recomputed block the block's recomputation does (no second checkpoint): either way the core
+    runs twice per step, never three times, and the gradients equal those of the layer's reference run without
+    any recomputation. The compiled core is replaced by a counting eager one (the compiler is tested above)."""
+    import mmplugin_l2.models.layers.ttt as ttt_layer
+    from mmplugin_l2.models.layers import TTTAttention
+    from mmplugin_l2.models.ops import COMPILED, Path
+    from mmplugin_l2.models.ops.checkpoint import checkpointed
+    calls, paths, choose = [], [], ttt_layer.choose
+    monkeypatch.setattr(ttt_op, 'compiled_core_tokens', lambda t, *a: calls.append(1) or ttt_core(t, *a))
+    monkeypatch.setattr(ttt_layer, 'choose', lambda *a, **k: paths.append(choose(*a, **k)) or paths[-1])
+    torch.manual_seed(0)
+    layer = TTTAttention(8, 2).train()
+    x = torch.randn(2, 12, 8, requires_grad=True)
+    grads = []
+    for run in ('compiled', 'reference'):
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        if run == 'reference':
+            monkeypatch.setattr(ttt_layer, 'choose', lambda *a, **k: Path.reference())
+        with torch.autocast('cpu', torch.bfloat16):
+            y = checkpointed(lambda t: layer(t, (3, 4)), x) if with_cp and run == 'compiled' else layer(x, (3, 4))
+        y.float().pow(2).sum().backward()
+        grads.append([x.grad] + [p.grad for p in layer.parameters()])
+    assert [p.impl for p in paths] == [COMPILED] * (1 + with_cp) and len(calls) == 2, (paths, len(calls))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

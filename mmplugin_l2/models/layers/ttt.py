@@ -44,9 +44,10 @@ class TTTAttention(nn.Module):
         lr (float): inner learning rate. Default: 1.0.
         fast_train (bool): in training, keep only the qkv tokens for backward and recompute the inner
             models there (`TTTCore`); same gradients, far less memory. Default: True.
-        fast_compile (bool | Sequence[str]): inside a block recomputed by `with_cp`, run the SwiGLU inner models
-            compiled by inductor where `ops.ttt.TTT` declares it (`ops.ttt.compiled_ttt_core`; the first step
-            compiles); a list of device types (e.g. ['cpu', 'cuda']) runs it on those instead of the declared
+        fast_compile (bool | Sequence[str]): in training, run the SwiGLU inner models compiled by inductor where
+            `ops.ttt.TTT` declares it (`ops.ttt.compiled_core_tokens`, recomputed in backward: keeping the qkv
+            tokens as `fast_train`'s checkpoint does, or inside a `with_cp` block by its recomputation; the first
+            step compiles); a list of device types (e.g. ['cpu', 'cuda']) runs it on those instead of the declared
             ones (CPU). Default: True.
     """
 

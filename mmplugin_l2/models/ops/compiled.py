@@ -12,9 +12,10 @@ error of `fn` itself (a wrong input) is raised as `fn` raises it. `prepare` (opt
 eagerly before every call, compiled or not, into a form that compiles without graph breaks or unsupported kernels
 (e.g. `rope.real_table`: inductor has no complex kernels); `fn` must compute the same function on either form.
 
-The compiled form keeps what autograd through the reference keeps, so `ops.dispatch.choose` gives it only inside a
-recomputed region (a block under `with_cp`), where those tensors live only while that block's backward runs
-(`Supports.compiled`, `Fast` as for the other paths, and the module's `fast_compile` switch).
+The compiled form keeps what autograd through the reference keeps, so an op runs it recomputed in backward: under its
+own checkpoint, or plainly inside a recomputed region (a block under `with_cp`), where those tensors live only while
+that region's backward runs (`Supports.compiled`, `Fast` as for the other paths, and the module's `fast_compile`
+switch; `ops.dispatch.choose` decides).
 """
 import warnings
 

@@ -20,8 +20,10 @@ layer re-decides. Its inputs:
 * whether the op runs inside a recomputed region (`recomputing`: a block under the backbone's `with_cp`, or a
   recomputed branch): there an op's checkpoint path would recompute it a second time in backward for memory the
   region's own recomputation already bounds, so it gets the reference instead (kept for backward only while
-  that region's backward runs), or the reference compiled (`ops.compiled`) where the op declares it
-  (`Supports.compiled`) and the module's `fast_compile` switch is on.
+  that region's backward runs);
+* where the op declares a compiled path (`Supports.compiled`: its reference compiled, `ops.compiled`) and the
+  module's `fast_compile` switch is on, that path comes before the checkpoint and the plain reference; it is
+  recomputed in backward by the op's own checkpoint, or inside a recomputed region by the region's.
 
 Anything else is the reference, which is always correct.
 """
@@ -82,8 +84,8 @@ class Supports(NamedTuple):
     """An op's fast paths, declared by the op (e.g. `ops.mlp.CONV_MLP`): `inference` and `train` are a
     `Fast` or None (no such path); `checkpoint`: where the train path does not apply in training, the
     reference is recomputed in backward instead of kept; `compiled`: a `Fast` or None, where the op's reference
-    compiled (`ops.compiled`) runs in training inside a recomputed region, with the module's `fast_compile` on
-    (there the train path, where it applies, still comes first)."""
+    compiled (`ops.compiled`, recomputed in backward) runs in training with the module's `fast_compile` on,
+    before the checkpoint (the train path, where it applies, still comes first)."""
     inference: Optional[Fast] = Fast()
     train: Optional[Fast] = Fast()
     checkpoint: bool = False
@@ -229,9 +231,12 @@ def choose(module, x, whole_elems, supports=Supports(), *, modules=(), acts=(), 
     if trains_fast(module):
         fast = supports.train
         path = _path(TRAIN, fast, policy, x, whole_elems) if _takes(fast, x, modules, acts) else None
-        if path is None and recomputing():
+        if path is None:
             on = _compiled_fast(supports.compiled, getattr(module, 'fast_compile', False))
-            return Path(COMPILED, None) if on and _takes(on, x, modules, acts) else Path.reference()
+            if on and _takes(on, x, modules, acts):
+                return Path(COMPILED, None)
+            if recomputing():
+                return Path.reference()
         if path is None and supports.checkpoint:
             path = Path(CHECKPOINT, None)
         return path or Path.reference()

@@ -7,7 +7,9 @@ support."""
 import torch
 
 from ..dispatch import CHECKPOINT, COMPILED, INFERENCE, TRAIN, Fast, Supports
-from .compiled import compiled_swiglu_halves, compiled_swiglu_heads, compiled_ttt_core
+from ..checkpoint import checkpointed
+from .compiled import (compiled_core_tokens, compiled_qkv_tokens, compiled_swiglu_halves, compiled_swiglu_heads,
+                       compiled_ttt_core)
 from .pieces import proj_input, ttt_core_pieces, ttt_inference
 from .reference import (conv_head_tokens, dwconv_inner_grad, dwconv_per_sample, join_heads, normalize_inner_grad,
                         swiglu_heads, swiglu_inner_grads, tap_sums, ttt_core)
@@ -22,9 +24,10 @@ __all__ = ['TTT', 'TTTCore', 'compiled_swiglu_halves', 'compiled_swiglu_heads', 
 #: products in fp16, the token sums and the inner step in fp32: more accurate than the reference there); under bf16
 #: autocast and with half weights the checkpoint path (`TTTCore` recomputing by autograd): in bf16 the closed form
 #: measured no faster on CPU, and its pieces' bf16-rounded token sums make the weight gradients no more accurate.
-#: Inside a block recomputed by `with_cp`, under bf16 autocast on CPU, the compiled path (`compiled.compiled_ttt_core`:
-#: the SwiGLU heads' forward and backward fused by inductor; measured faster there than the eager reference, same
-#: memory)
+#: Under bf16 autocast on CPU, the compiled path (`compiled.compiled_core_tokens`: the SwiGLU heads' forward and
+#: backward fused by inductor) instead of the checkpoint: the qkv tokens kept and the compiled core recomputed in
+#: backward by its own checkpoint (the checkpoint path's memory), or inside a `with_cp` block by the block's
+#: recomputation (then no checkpoint of its own); measured faster than the eager paths there
 TTT = Supports(inference=Fast(), train=Fast(half='autocast', compute_dtypes=(torch.float16, torch.float32,
                                                                              torch.float64)), checkpoint=True,
                compiled=Fast(half='autocast', devices=('cpu',), compute_dtypes=(torch.bfloat16,)))
@@ -47,8 +50,9 @@ def ttt_attention(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr,
         lr (float): the inner learning rate.
         path (Path): from `ops.dispatch.choose` with `TTT` (pieces in elements of (B, tokens, C)): 'inference'
             runs `ttt_inference` (qkv and proj inside, piece by piece), 'train' `TTTCore` with the closed-form
-            backward, 'checkpoint' `TTTCore` recomputing by autograd, 'compiled' `compiled_ttt_core`, else the
-            reference.
+            backward, 'checkpoint' `TTTCore` recomputing by autograd, 'compiled' the qkv tokens
+            (`compiled_qkv_tokens`) and `compiled_core_tokens` on them under `ops.checkpoint.checkpointed` (recomputed
+            in backward; inside a recomputed region plainly), else the reference.
 
     Returns:
         Tensor: (B, N, C).
@@ -56,7 +60,9 @@ def ttt_attention(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr,
     if path.impl == INFERENCE:
         return ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, path.piece)
     if path.impl == COMPILED:
-        return proj(proj_input(compiled_ttt_core(x, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr), proj))
+        tokens = compiled_qkv_tokens(x, qkv, rot, num_heads, w1.shape[-1])
+        y = checkpointed(lambda t: compiled_core_tokens(t, rot, w1, w2, w3, hw_shape, num_heads, scale, lr), tokens)
+        return proj(proj_input(y, proj))
     args = (qkv(x), rot, w1, w2, w3, hw_shape, num_heads, scale, lr)
     if path.impl in (TRAIN, CHECKPOINT):
         y = TTTCore.apply(*args, path.piece, path.impl == TRAIN)

@@ -81,9 +81,28 @@ def halves_apply(rot, d):
     return torch.is_tensor(rot) and rot.is_complex() and d % 2 == 0
 
 
+def compiled_qkv_tokens(x, qkv, rot, num_heads, d):
+    """The qkv projection's tokens (B, N, 3C + 3d) as the compiled core takes them: q1 and k1 in `rope.halves_order`
+    where `halves_apply`, else in the reference's order (the arguments of `compiled_ttt_core`; d the head width)."""
+    if not halves_apply(rot, d):
+        return qkv(x)
+    order = _qkv_order(num_heads * d, num_heads, d).to(qkv.weight.device)
+    return F.linear(x, qkv.weight[order], None if qkv.bias is None else qkv.bias[order])
+
+
+def compiled_core_tokens(tokens, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
+    """`reference.ttt_core` on the tokens of `compiled_qkv_tokens`: the SwiGLU heads compiled by inductor (in the
+    halves order where `halves_apply`), the conv head eager. (B, N, C + d)."""
+    d = w1.shape[-1]
+    if halves_apply(rot, d):
+        y1 = compiled_swiglu_halves(tokens, head_table(rot, num_heads), w1, w2, num_heads, scale, lr)
+    else:
+        y1 = compiled_swiglu_heads(tokens, rot, w1, w2, num_heads, scale, lr)
+    return join_heads(y1, conv_head_tokens(tokens, w3, hw_shape, num_heads, scale, lr))
+
+
 def compiled_ttt_core(x, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
-    """`reference.ttt_core(qkv(x), ...)`: the qkv projection, the SwiGLU heads compiled by inductor (in the halves
-    order where `halves_apply`), the conv head eager.
+    """`reference.ttt_core(qkv(x), ...)`: the qkv projection (`compiled_qkv_tokens`), then `compiled_core_tokens`.
 
     Args:
         x (Tensor): tokens (B, N, C).
@@ -93,12 +112,5 @@ def compiled_ttt_core(x, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
     Returns:
         Tensor: (B, N, C + d), as `reference.ttt_core(qkv(x), ...)`.
     """
-    d = w1.shape[-1]
-    if not halves_apply(rot, d):
-        tokens = qkv(x)
-        y1 = compiled_swiglu_heads(tokens, rot, w1, w2, num_heads, scale, lr)
-    else:
-        order = _qkv_order(num_heads * d, num_heads, d).to(qkv.weight.device)
-        tokens = F.linear(x, qkv.weight[order], None if qkv.bias is None else qkv.bias[order])
-        y1 = compiled_swiglu_halves(tokens, head_table(rot, num_heads), w1, w2, num_heads, scale, lr)
-    return join_heads(y1, conv_head_tokens(tokens, w3, hw_shape, num_heads, scale, lr))
+    return compiled_core_tokens(compiled_qkv_tokens(x, qkv, rot, num_heads, w1.shape[-1]), rot, w1, w2, w3, hw_shape, num_heads,
+                                scale, lr)
