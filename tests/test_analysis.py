@@ -840,19 +840,14 @@ def test_op_profile_table_says_compiled_paths_ran_eagerly():
     function: the mode sees its aten operators), so the table says under it which rows took a compiled path and
     that they time the eager code; without such a row it says nothing."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
     from mmplugin_l2.analysis import opprofile
+    from ops.harness import RecordOps
 
     seen = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
     fn = torch.compile(lambda t: (t.sin() * 2).cos(), backend='aot_eager')
     x = torch.randn(4)
     fn(x)
-    with Record():
+    with RecordOps(lambda func, *rest: seen.append(func.overloadpacket.__name__)):
         fn(x)
     assert seen == ['sin', 'mul', 'cos'], seen
     row = dict(op='stage 1 / TTTAttention · TTT', calls=1, forward_ms=1., backward_ms=1., products={'fwd': {}},

@@ -18,6 +18,7 @@ functions compared.
 import types
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def leaf_copies(inputs):
@@ -133,3 +134,18 @@ def record_calls(monkeypatch, namespace, **labels):
         else:
             monkeypatch.setattr(namespace, attr, wrap(label, orig))
     return calls
+
+
+class RecordOps(TorchDispatchMode):
+    """While active, runs every aten operator as it is and then calls `record(func, args, kwargs, out)`: what a test
+    records of the operators some code runs (their kinds, dtypes, copies, new tensors), forward and backward."""
+
+    def __init__(self, record):
+        super().__init__()
+        self.record = record
+
+    def __torch_dispatch__(self, func, types=(), args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.record(func, args, kwargs, out)
+        return out

@@ -17,7 +17,8 @@ from mmplugin_l2.models.ops import INFERENCE, TRAIN, Path
 from mmplugin_l2.models.ops.emsa import emsa_attention, emsa_attention_reference
 from mmplugin_l2.models.ops.memory import MemoryPolicy, set_memory_policy
 from mmplugin_l2.models.ops.emsa.naive import emsa_attention_naive
-from ops.harness import assert_autocast_no_worse, assert_matches_naive, cast_inputs, half_values, record_calls
+from ops.harness import (RecordOps, assert_autocast_no_worse, assert_matches_naive, cast_inputs, half_values,
+                         record_calls)
 
 
 def _qkv(b, h, n, nk, d, dtype=torch.float64, q_std=1., k_std=1.):
@@ -298,25 +299,18 @@ def test_expm1_is_torchs_correctly_rounded(n):
 def test_emsa_runs_no_float32_expm1_kernel():
     """The train function and the inference pieces (the fp32 compute dtype of bf16 q, k, v) never run torch's
     float32 expm1 kernel on CPU, the slow one: their expm1 goes through float64."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    dtypes = set()
 
-    class Expm1Dtypes(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.dtypes = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket in (torch.ops.aten.expm1, torch.ops.aten.expm1_):
-                self.dtypes.add(args[0].dtype)
-            return func(*args, **(kwargs or {}))
+    def expm1_dtype(func, args, kwargs, out):
+        if func.overloadpacket in (torch.ops.aten.expm1, torch.ops.aten.expm1_):
+            dtypes.add(args[0].dtype)
 
     torch.manual_seed(0)
     q, k, v = (t.bfloat16().requires_grad_() for t in _qkv(1, 2, 40, 12, 8))
     w = torch.randn(2, 2, 1, 1, requires_grad=True)
-    mode = Expm1Dtypes()
-    with mode:
+    with RecordOps(expm1_dtype):
         out = _op(Path(TRAIN, 128))(q, k, v, w)
         out.float().sum().backward()
         with torch.no_grad():
             _op(Path(INFERENCE, 128))(q, k, v, w)
-    assert mode.dtypes == {torch.float64}
+    assert dtypes == {torch.float64}

@@ -15,7 +15,8 @@ from mmplugin_l2.models.ops import TRAIN, Path
 from mmplugin_l2.models.ops.mlp import (ConvMlpPiecesFunction, ConvMlpFunction, NormMlpFunction, conv_mlp,
                                         conv_mlp_inference, conv_mlp_reference, mlp_inference, mlp_reference)
 from mmplugin_l2.models.ops.mlp.naive import conv_mlp_naive, mlp_naive
-from ops.harness import assert_autocast_no_worse, assert_matches_naive, cast_inputs, half_values, record_calls
+from ops.harness import (RecordOps, assert_autocast_no_worse, assert_matches_naive, cast_inputs, half_values,
+                         record_calls)
 
 C, R = 5, 11      # odd widths: channels and hidden channels
 
@@ -391,22 +392,15 @@ def test_backbones_under_autocast_in_pieces(dtype, name):
 
 
 # ------------------------------------------------------------------ memory of the training pieces
-class _NewTensors(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the element count of every tensor an op returns in new memory (not a view of or a write into
-    one of its arguments)."""
-
-    def __init__(self):
-        super().__init__()
-        self.numels = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+def _new_tensors(numels):
+    """A `RecordOps` callback appending to `numels` the element count of every tensor an op returns in new memory
+    (not a view of or a write into one of its arguments)."""
+    def record(func, args, kwargs, out):
         given = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
                  if torch.is_tensor(t)}
-        self.numels += [t.numel() for t in torch.utils._pytree.tree_leaves(out)
-                        if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in given]
-        return out
+        numels.extend(t.numel() for t in torch.utils._pytree.tree_leaves(out)
+                      if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in given)
+    return record
 
 
 def test_norm_mlp_branch_pieces_keep_hidden_tensors_piece_sized():
@@ -421,10 +415,11 @@ def test_norm_mlp_branch_pieces_keep_hidden_tensors_piece_sized():
         blk = _random_(LGABlock(c, 2), std=0.3).train()
         set_memory_policy(blk, dict(max_elems=4 * c, devices=devices))     # pieces of 4 tokens
         x = torch.randn(2, 40, c, dtype=torch.float64, requires_grad=True)
-        with _NewTensors() as rec:
+        numels = []
+        with RecordOps(_new_tensors(numels)):
             y = norm_mlp_branch(blk, blk.norm2, blk.mlp, x)
             grads[devices] = torch.autograd.grad(y, [x] + list(blk.mlp.parameters()), torch.ones_like(y))
-        hidden = sum(k >= n * 4 * c for k in rec.numels)
-        assert hidden == (1 if devices else 3), rec.numels    # whole maps: + the GELU output twice
+        hidden = sum(k >= n * 4 * c for k in numels)
+        assert hidden == (1 if devices else 3), numels    # whole maps: + the GELU output twice
     for a, b in zip(*grads.values()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
