@@ -404,7 +404,8 @@ def test_device_check_measures_the_compiled_ttt_path_where_asked(tmp_path):
     """--compiled (auto: on CUDA only; on the CPU the compiled path is the declared one, so both models are the
     same there) adds H-ViT3-T with_cp with the compiled TTT path on its declared devices and on every device to the
     amp part and to the speed part (with the authors' recipe where their ViTTT is carried), only where H-ViT3 is
-    checked; the model of the second builds with fast_compile on CUDA too."""
+    checked; the model of the second builds with fast_compile on CUDA too. Without --compiled (the CPU's default)
+    H-ViT3-T and ViT3-T are built with fast_compile=False, as a GPU runs them; with it as configured."""
     dc = _device_check_cli()
     base = ['--out-dir', str(tmp_path), '--device', 'cpu', '--detection', '64x96/b2', '--headline']
     forward = {}
@@ -423,6 +424,10 @@ def test_device_check_measures_the_compiled_ttt_path_where_asked(tmp_path):
     from mmplugin_l2.analysis.models import build
     assert {m.attn.fast_compile for m in build('hvit3_t_cp_compiled', tiny=True).modules()
             if hasattr(m, 'attn')} == {('cpu', 'cuda')}
+    for compiled, want in ((['--compiled', 'off'], {False}), (['--compiled', 'on'], {True})):
+        args = dc.parse_args(base + compiled + ['--tiny'])
+        for name in ('hvit3_t', 'vit3_t'):
+            assert {m.attn.fast_compile for m in dc.build_model(args, name).modules() if hasattr(m, 'attn')} == want
 
 
 #: a file laid out like the authors' ViTTT backbone (narrow widths): our H-ViT3 under their names

@@ -28,7 +28,9 @@ Parts, in priority order (share of what preflight leaves of --budget; time a par
 * amp (15 %): one training step at --amp-size, batch 2, under bf16 autocast and fp16 autocast with a
   torch.amp.GradScaler: loss and gradients finite, gradient error against the fp32 step (same weights and
   input), parameters finite after the optimizer step. With --compiled (the default on CUDA) also H-ViT3-T with_cp
-  with the compiled TTT path on its declared devices and on every device (`COMPILED`), here and in speed.
+  with the compiled TTT path on its declared devices and on every device (`COMPILED`), here and in speed; without
+  it (the default on the CPU) H-ViT3-T and ViT3-T are built with fast_compile=False everywhere (`TTT_MODELS`): a CPU
+  rehearsal runs what a GPU runs.
 * sync (8 %, CUDA only): forward + backward (train, with and without with_cp) and eval forward under
   torch.cuda.set_sync_debug_mode('error').
 * speed (45 %): inference and training step (median, min-max, peak memory) per --precisions: ViT3-T against
@@ -66,6 +68,9 @@ PYRAMIDS = ['hvit3_t', 'l2vit_t', 'rest_s']
 #: (`with_cp`: the compiled path on the devices it is declared for, the CPU) and with the compiled path on every
 #: device; in the amp and speed parts when --compiled is on (the default on CUDA; on the CPU both are the same)
 COMPILED = ['hvit3_t_cp', 'hvit3_t_cp_compiled']
+#: our models with TTT layers (`fast_compile`): with --compiled off they are built with fast_compile=False, so that a
+#: CPU rehearsal runs what a GPU runs (where the compiled path is not declared) instead of compiling it
+TTT_MODELS = ('hvit3_t', 'vit3_t')
 #: the fast training path on and off
 PATHS = {'fast': dict(fast_train=True), 'plain': dict(fast_train=False)}
 #: verdicts, fp32 (TF32 off) against float64: outputs within PARITY_TOL (rel. max over stages); gradients (largest
@@ -92,6 +97,8 @@ def build_model(args, name, **cfg):
     """Our backbone (or Swin-T / DeiT-T) `name` with random weights, biases and norm parameters included."""
     if name == args.plant_fault:
         _planted(name)
+    if name in TTT_MODELS and not args.compiled:
+        cfg.setdefault('fast_compile', False)
     torch.manual_seed(0)
     return authors_mod.randomize_(build(name, cfg, tiny=args.tiny), seed=1)
 
@@ -412,7 +419,8 @@ def parse_args(argv=None):
     p.add_argument('--precisions', nargs='+', default=['fp32', 'tf32', 'bf16'], choices=list(PRECISIONS))
     p.add_argument('--compiled', choices=['auto', 'on', 'off'], default='auto',
                    help='the compiled TTT path (H-ViT3-T with_cp, compiled on its declared devices and on every '
-                        'device) in the amp and speed parts; auto: on CUDA only')
+                        'device) in the amp and speed parts; off: H-ViT3-T and ViT3-T built with fast_compile=False '
+                        '(on a CPU as on a GPU, where the path is not declared); auto: on CUDA only')
     p.add_argument('--warmup', type=int, default=2)
     p.add_argument('--iters', type=int, default=5)
     p.add_argument('--authors-code', nargs='+', type=authors_mod.family_path, default=[], metavar='FAMILY=PATH')
