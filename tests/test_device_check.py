@@ -346,6 +346,8 @@ def test_device_check_runs_as_on_the_gpu_machine(carry, device_env, tmp_path):
         for s in row['samples']:
             assert 'error' not in s and s['model'] == job.split()[0], s
             assert (s['latency_ms'] > 0 and s['throughput'] > 0) if s['kind'] == 'infer' else s['step_ms'] > 0
+            # without --compiled (the CPU's default) the TTT models run as on a GPU: not compiled
+            assert s.get('cfg') == (dict(fast_compile=False) if s['model'] in ('vit3_t', 'hvit3_t') else None), s
     from mmplugin_l2.analysis import benchmark as bm
     for prec in PRECISIONS:
         b = json.loads((out / f'speed_{prec}.json').read_text())

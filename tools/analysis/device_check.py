@@ -97,10 +97,13 @@ def build_model(args, name, **cfg):
     """Our backbone (or Swin-T / DeiT-T) `name` with random weights, biases and norm parameters included."""
     if name == args.plant_fault:
         _planted(name)
-    if name in TTT_MODELS and not args.compiled:
-        cfg.setdefault('fast_compile', False)
     torch.manual_seed(0)
-    return authors_mod.randomize_(build(name, cfg, tiny=args.tiny), seed=1)
+    return authors_mod.randomize_(build(name, {**uncompiled(args, name), **cfg}, tiny=args.tiny), seed=1)
+
+
+def uncompiled(args, name):
+    """The overrides that keep model `name` off the compiled TTT path without --compiled (`TTT_MODELS`)."""
+    return dict(fast_compile=False) if name in TTT_MODELS and not args.compiled else {}
 
 
 def _failure(e):
@@ -269,7 +272,7 @@ def child_speed(args, job):
             try:
                 s = bm.measure(dict(s, warmup=args.warmup, iters=args.iters, device=args.device,
                                     tiny=args.tiny and not name.endswith(AUTHORS_TAG),
-                                    authors_roots=args.authors_code))
+                                    authors_roots=args.authors_code, cfg=uncompiled(args, name) or None))
                 s['precision'] = prec
             except Exception as e:  # noqa: BLE001  (an OOM or an unsupported size: report, go on)
                 s.update(_failure(e))
