@@ -203,8 +203,8 @@ def test_fast_paths_under_autocast(monkeypatch, dtype):
     """Under CPU autocast: the inference pieces and the train function (`TTTCore`'s forward without autograd; its
     backward in closed form under fp16, by autograd through the reference (the checkpoint path) under bf16, both
     under the forward's autocast state) = the float32 reference to half precision, values and the input's
-    gradient. (Under bf16 the layer's compiled path comes first, `fast_compile=False` here: tests/ops/test_ttt_compiled.py
-    tests it.)"""
+    gradient. (Under bf16 the layer's compiled path comes first, `fast_compile=False` here:
+    tests/ops/test_ttt_compiled.py tests it.)"""
     calls = _Calls(monkeypatch)
     m = _layer(16, 2, max_elems=2 * 16 * 4, std=0.1).float()
     m.fast_compile = False

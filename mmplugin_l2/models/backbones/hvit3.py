@@ -91,8 +91,9 @@ class HViT3(PyramidBackbone):
             Default: True.
         fast_compile (bool | Sequence[str]): in training under bf16 autocast on CPU, the TTT layers' SwiGLU
             inner models run compiled by inductor (their forward and backward fused; recomputed in backward by the
-            layer's own checkpoint, or by the block's with `with_cp`; the first training step compiles, later processes load the compiled code from torch's cache; where it
-            cannot compile, one warning and the eager code). A list of device types runs it there instead of on
+            layer's own checkpoint, or by the block's with `with_cp`; the first training step compiles, later
+            processes load the compiled code from torch's cache; where it cannot compile, one warning and the
+            eager code). A list of device types runs it there instead of on
             the CPU only, e.g. ['cpu', 'cuda'] (not measured on a GPU yet). Default: True.
         out_norm_cfg (dict | None): norm of each returned stage (`norm{i}`); dict(type='LN') is mmdet's
             side-branch convention, dict(type='BN') on stage 3 reproduces the authors' classification

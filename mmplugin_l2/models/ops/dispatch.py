@@ -234,10 +234,8 @@ def choose(module, x, whole_elems, supports=Supports(), *, modules=(), acts=(), 
         if path is None:
             on = _compiled_fast(supports.compiled, getattr(module, 'fast_compile', False))
             if on and _takes(on, x, modules, acts):
-                return Path(COMPILED, None)
-            if recomputing():
-                return Path.reference()
-        if path is None and supports.checkpoint:
-            path = Path(CHECKPOINT, None)
+                path = Path(COMPILED, None)
+            elif supports.checkpoint and not recomputing():
+                path = Path(CHECKPOINT, None)
         return path or Path.reference()
     return Path.reference()

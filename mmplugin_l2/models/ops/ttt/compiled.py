@@ -112,5 +112,5 @@ def compiled_ttt_core(x, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
     Returns:
         Tensor: (B, N, C + d), as `reference.ttt_core(qkv(x), ...)`.
     """
-    return compiled_core_tokens(compiled_qkv_tokens(x, qkv, rot, num_heads, w1.shape[-1]), rot, w1, w2, w3, hw_shape, num_heads,
-                                scale, lr)
+    tokens = compiled_qkv_tokens(x, qkv, rot, num_heads, w1.shape[-1])
+    return compiled_core_tokens(tokens, rot, w1, w2, w3, hw_shape, num_heads, scale, lr)
