@@ -11,7 +11,12 @@ for one case: H-ViT3 without `with_cp`, the backbone on which the inductor-only 
 updated once) run dynamo and AOT autograd with `backend='aot_eager'`: the same traced forward and backward graphs
 with symbolic sizes, run by eager kernels.
 `MMPLUGIN_L2_COMPILE_MATRIX=1` runs every family both ways with inductor (8 compiles).
+
+The compiled step traces the fast training paths (`Supports.traced`, `ops.dispatch.choose`), not the reference: its
+graphs hold the train paths' autograd functions and the recomputed (checkpointed) regions of the compiled and
+checkpoint paths, and the gradients above are theirs.
 """
+import collections
 import copy
 import os
 
@@ -44,6 +49,34 @@ DEFAULT_CASES = [('hvit3', False, 'inductor'), ('hvit3', True, 'aot_eager'), ('l
                  ('rest', True, 'aot_eager'), ('vit3', True, 'aot_eager')]
 CASES = ([(f, cp, 'inductor') for f in BUILDERS for cp in (False, True)] if os.environ.get('MMPLUGIN_L2_COMPILE_MATRIX')
          else DEFAULT_CASES)
+
+
+#: per family, the higher-order ops of the fast paths that a compiled training step must trace, each at least once
+#: per module of these classes: the train paths' autograd functions (H-ViT3's ConvMlp function in fp32, L2ViT's linear
+#: attention and pre-norm MLP branches, ResT's pre-norm MLP branches) and the recomputed regions (TTT's compiled
+#: path: the qkv tokens kept and the core recomputed; ViT3's MLP checkpoint); `with_cp` adds one region per block
+TRACED = {
+    'hvit3': dict(autograd_function_apply=('ConvMlp',), tag_activation_checkpoint=('TTTAttention',)),
+    'vit3': dict(tag_activation_checkpoint=('TTTAttention', 'Mlp')),
+    'l2vit': dict(autograd_function_apply=('LinearAttention', 'Mlp')),
+    'rest': dict(autograd_function_apply=('Mlp',)),
+}
+BLOCKS = ('TTTBlock', 'LWABlock', 'LGABlock', 'ResTBlock')
+
+
+def _counting(backend, counts):
+    """A torch.compile backend: `backend` (a registered name), counting into `counts` the call targets of every
+    graph it gets, their nested graphs (checkpointed regions, autograd functions' bodies) included."""
+    from torch._dynamo.backends.registry import lookup_backend
+    run = lookup_backend(backend)
+
+    def count(gm, example_inputs):
+        for sub in gm.modules():
+            if isinstance(sub, torch.fx.GraphModule):
+                counts.update(str(getattr(n.target, '__name__', n.target)) for n in sub.graph.nodes
+                              if n.op == 'call_function')
+        return run(gm, example_inputs)
+    return count
 
 
 def _step(model, x, run=None):
@@ -82,13 +115,15 @@ def compiled_step(request):
     plain = copy.deepcopy(eager)          # no checkpointing: BN statistics updated exactly once
     plain.with_cp = False
     torch._dynamo.reset()
-    run = torch.compile(compiled, dynamic=True, backend=backend)
+    counts = collections.Counter()
+    run = torch.compile(compiled, dynamic=True, backend=_counting(backend, counts))
     grads = dict(compiled=_step(compiled, x, run), eager=_step(eager, x),
                  double=_step(double, x.double()))
     _step(plain, x)
     stats = dict(before=bn_before, eager=_bn_statistics(eager), compiled=_bn_statistics(compiled),
                  plain=_bn_statistics(plain))
-    return family, with_cp, grads, stats
+    modules = collections.Counter(type(m).__name__ for m in eager.modules())
+    return family, with_cp, grads, stats, counts, modules
 
 
 def test_compiled_gradients_as_close_to_float64_as_eager(compiled_step):
@@ -96,7 +131,7 @@ def test_compiled_gradients_as_close_to_float64_as_eager(compiled_step):
     5x eager fp32's (or 1e-6 relative, a few fp32 roundings: inductor fuses and reorders fp32 sums), and so is
     each parameter's, up to 1e-4 of its largest gradient plus 1e-6 of the model's (parameters whose float64
     gradient is zero, e.g. biases before a norm, keep only fp32 rounding)."""
-    family, _, grads, _ = compiled_step
+    family, _, grads, _, _, _ = compiled_step
     assert grads['compiled'].keys() == grads['double'].keys() == grads['eager'].keys()
     err_compiled = _relative_error(grads['compiled'], grads['double'])
     err_eager = _relative_error(grads['eager'], grads['double'])
@@ -112,7 +147,7 @@ def test_compiled_gradients_as_close_to_float64_as_eager(compiled_step):
 def test_batchnorm_statistics_updated_once(compiled_step):
     """With or without checkpointing, eager or compiled: each train-mode BatchNorm counted the batch once
     (num_batches_tracked 1) and its running statistics equal those of the plain eager step."""
-    family, with_cp, _, stats = compiled_step
+    family, with_cp, _, stats, _, _ = compiled_step
     assert bool(stats['before']) == (family != 'vit3'), (family, list(stats['before']))  # ViT3 has no BatchNorm
     for run in ('eager', 'compiled'):
         for n, (mean, var, tracked) in stats[run].items():
@@ -120,3 +155,15 @@ def test_batchnorm_statistics_updated_once(compiled_step):
             assert tracked.item() == 1 == p_tracked.item(), (family, run, n)
             torch.testing.assert_close(mean, p_mean, rtol=1e-4, atol=1e-6, msg=lambda m: f'{run} {n}: {m}')
             torch.testing.assert_close(var, p_var, rtol=1e-4, atol=1e-6, msg=lambda m: f'{run} {n}: {m}')
+
+
+def test_compiled_step_traces_the_fast_paths(compiled_step):
+    """The compiled graphs hold each fast path's autograd function or recomputed region at least once per module
+    that takes it (`TRACED`; `with_cp` adds a region per block). Taking the reference under compile (as before
+    `Supports.traced`) leaves no autograd function and only `with_cp`'s regions, and fails this."""
+    family, with_cp, _, _, counts, modules = compiled_step
+    for hop, classes in TRACED[family].items():
+        least = sum(modules[c] for c in classes)
+        if hop == 'tag_activation_checkpoint' and with_cp:
+            least += sum(modules[c] for c in BLOCKS)
+        assert counts[hop] >= least > 0, (family, hop, counts[hop], least, dict(counts))

@@ -215,3 +215,32 @@ def test_fast_compile_switch_rejects_what_is_not_a_bool_or_device_types(value):
     with pytest.raises(ValueError, match=r"TTTAttention: fast_compile=.*allowed: True .*False, or a list of device "
                                          r"types such as \['cpu', 'cuda'\]"):
         TTTAttention(8, 2, fast_compile=value)
+
+
+def test_torch_compile_traces_the_declared_paths_on_whole_maps(monkeypatch):
+    """While torch.compile traces a model in training (`export.compiling`), an op gets the first of its `traced`
+    paths that applies, on whole maps (no memory-policy pieces: sizes are symbolic): the compiled form where the
+    module's `fast_compile` is on (whatever devices the compiled `Fast` names: the enclosing compile compiles it),
+    the train path where its `Fast` takes the input, the checkpoint; paths it does not declare traced, and every
+    path in export (ONNX, torch.export) or inference, give the reference."""
+    all_paths = (COMPILED, TRAIN, CHECKPOINT)
+    ops = Supports(train=Fast(input_grad=True), checkpoint=True, compiled=Fast(devices=('cuda',)), traced=all_paths)
+    m, x = _layer(), _grad_input()
+    assert choose(m, x, 16, ops) == (TRAIN, 4)                       # eager: the train path in pieces
+    monkeypatch.setattr(dispatch, 'compiling', lambda: True)
+    monkeypatch.setattr(dispatch, 'exporting', lambda: True)        # tracing is also exporting
+    m.fast_compile = True
+    assert choose(m, x, 16, ops) == (COMPILED, None)
+    m.fast_compile = False
+    assert choose(m, x, 16, ops) == (TRAIN, None)
+    assert choose(m, x.detach(), 16, ops) == (CHECKPOINT, None)   # the train Fast needs an input gradient
+    assert choose(m, x, 16, ops._replace(traced=(CHECKPOINT,))) == (CHECKPOINT, None)
+    assert choose(m, x, 16, ops._replace(traced=())) == (REFERENCE, None)
+    assert choose(m, x, 16, ops._replace(train=Fast(pieces_only=True), traced=(TRAIN,))) == (REFERENCE, None)
+    assert choose(_layer(fast_train=False), x, 16, ops) == (REFERENCE, None)
+    m.eval()
+    with torch.no_grad():
+        assert choose(m, x, 16, ops) == (REFERENCE, None)          # compiled inference: the reference
+    monkeypatch.setattr(dispatch, 'compiling', lambda: False)      # exported (ONNX, torch.export)
+    m.train()
+    assert choose(m, x, 16, ops) == (REFERENCE, None)

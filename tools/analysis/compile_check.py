@@ -3,12 +3,23 @@
     python tools/analysis/compile_check.py [--models hvit3_t l2vit_t rest_s vit3_t ...] [--sizes 224x224 200x296]
         [--tiny] [--repeat 3] [--threads N]
 
+    python tools/analysis/compile_check.py --train [--precision bf16] [--batch 1] [--with-cp] [--fast-train off]
+        [--iters 3] --models hvit3_t --sizes 800x1344
+
 For every model and size: the first compiled call (compile time; later sizes reuse the graph when the dynamic
 shapes hold), the max relative difference of the compiled outputs to eager PyTorch, and the steady-state latency
 of both (median of --repeat calls, after one warm-up) and their ratio. While compiling, the layers take their
 export-mode paths (mmplugin_l2/models/ops/export.py): the compiled graph is the whole-map formulation, eager
 runs the inference fast paths; the two are the same function. `--tiny`: narrow widths (seconds instead of
 minutes). Exits 1 if a relative difference exceeds --bound (default 1e-5). A check, not a default.
+
+`--train`: training steps as mmengine's `compile=True` runs them (the forward and backward compiled; AdamW eager):
+the first compiled step (the compile), then the steady-state step of the compiled model and of the eager one (median
+of --iters steps after two warm-up steps each, `measure.train_steps`, in --precision) and their ratio. While
+compiling, each op traces the fast training paths it declares traceable (`Supports.traced`); `--fast-train off`
+builds the model with `fast_train=False`, so that every op traces its reference (the comparison for what the traced
+paths add). `--backend` picks the torch.compile backend (default inductor; `aot_eager` traces without generating
+code).
 """
 import argparse
 import statistics
@@ -16,7 +27,7 @@ import sys
 
 import torch
 
-from mmplugin_l2.analysis.measure import clock, time_calls
+from mmplugin_l2.analysis.measure import PRECISIONS, clock, train_steps, time_calls
 from mmplugin_l2.analysis.precision import rel_max
 
 TINY = {
@@ -74,6 +85,38 @@ def check(model, sizes, repeat=3, timing=True):
     return rows
 
 
+def check_train(model, size, batch=1, prec='fp32', iters=3, backend='inductor'):
+    """dict(size, first_step_s, compiled_ms, eager_ms) for training steps of `torch.compile(model, dynamic=True,
+    backend=backend)` and of `model` (see the module docstring); the eager steps run first, on a copy of the
+    weights."""
+    import copy
+    eager = copy.deepcopy(model)
+    x = torch.randn(batch, 3, *size, generator=torch.Generator().manual_seed(size[0] * 7919 + size[1]))
+    eager_steps, _ = train_steps(eager, x, 2, iters, memory=False, prec=prec)
+    del eager
+    compiled = torch.compile(model, dynamic=True, backend=backend)
+    t = clock(x.device)
+    train_steps(compiled, x, 0, 1, memory=False, prec=prec)
+    first = clock(x.device) - t
+    steps, _ = train_steps(compiled, x, 2, iters, memory=False, prec=prec)
+    return dict(size=tuple(size), first_step_s=first,
+                compiled_ms=statistics.median(s['total_ms'] for s in steps),
+                eager_ms=statistics.median(s['total_ms'] for s in eager_steps))
+
+
+def train_main(args):
+    """`--train`: one row per model and size (the first size only: one compiled graph serves the others)."""
+    print(f'torch {torch.__version__}, {torch.get_num_threads()} threads, training steps, {args.precision}, batch '
+          f'{args.batch}, torch.compile(dynamic=True, backend={args.backend!r}), with_cp={args.with_cp}, '
+          f'fast_train={args.fast_train == "on"}, {"tiny widths" if args.tiny else "real widths"}')
+    for name in args.models:
+        model = build(name, args.tiny, with_cp=args.with_cp, fast_train=args.fast_train == 'on')
+        r = check_train(model, args.sizes[0], args.batch, args.precision, args.iters, args.backend)
+        print(f'{name:10s} {r["size"][0]}x{r["size"][1]}: first compiled step {r["first_step_s"]:.1f} s, compiled '
+              f'{r["compiled_ms"]:.0f} ms, eager {r["eager_ms"]:.0f} ms (compiled x{r["eager_ms"] / r["compiled_ms"]:.2f})',
+              flush=True)
+
+
 def parse_size(text):
     try:
         h, w = (int(v) for v in text.lower().split('x'))
@@ -90,9 +133,19 @@ def main(argv=None):
     p.add_argument('--repeat', type=int, default=3)
     p.add_argument('--threads', type=int, default=None)
     p.add_argument('--bound', type=float, default=1e-5)
+    p.add_argument('--train', action='store_true', help='time training steps, compiled and eager')
+    p.add_argument('--precision', default='fp32', choices=sorted(PRECISIONS), help='--train: the precision')
+    p.add_argument('--batch', type=int, default=1, help='--train: the batch')
+    p.add_argument('--iters', type=int, default=3, help='--train: timed steps after two warm-up steps')
+    p.add_argument('--with-cp', action='store_true', help='--train: build the models with with_cp=True')
+    p.add_argument('--fast-train', choices=('on', 'off'), default='on',
+                   help='--train: off builds the models with fast_train=False (the reference traced)')
+    p.add_argument('--backend', default='inductor', help='--train: the torch.compile backend')
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.train:
+        return train_main(args)
     worst = 0.
     print(f'torch {torch.__version__}, {torch.get_num_threads()} threads, torch.compile(dynamic=True), '
           f'{"tiny widths" if args.tiny else "real widths"}')

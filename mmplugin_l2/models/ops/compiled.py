@@ -46,6 +46,8 @@ class Compiled:
         self._compiled, self.failed = None, None
 
     def __call__(self, *args):
+        if torch.compiler.is_compiling():   # inside a compiled model: `fn` is traced into the enclosing graph
+            return self.fn(*args)
         if self.prepare is not None:
             args = self.prepare(*args)
         if self.failed is None:

@@ -8,7 +8,11 @@ Where its train path does not apply, an op may instead **checkpoint** its refere
 backward, RNG state preserved). `choose` returns the final `Path`; an op runs what it is given and no op or
 layer re-decides. Its inputs:
 
-* export / compile tracing (`export.exporting`): always the reference;
+* export (`export.exporting`: ONNX, torch.export, `export_mode`): always the reference. While torch.compile traces
+  the model in training (`export.compiling`, mmengine's `compile=True`), the first of the paths the op declares
+  traceable (`Supports.traced`) that applies, on whole maps (sizes are symbolic): its compiled form where the
+  module's `fast_compile` is on (the op's reference with what the compiled path keeps and recomputes; the enclosing
+  compile compiles it), its train path where its `Fast` takes the input, its checkpoint; else the reference;
 * the module's mode and autograd (`inference`, `trains_fast`, the only definitions of these conditions):
   inference needs eval mode and no autograd recording; the train path needs train mode, autograd recording
   and the module's `fast_train` switch;
@@ -33,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from .dtypes import HALF_DTYPES, autocast_on, compute_dtype_of
-from .export import exporting
+from .export import compiling, exporting
 from .tokens import channels_last
 
 REFERENCE, INFERENCE, TRAIN, CHECKPOINT, COMPILED = 'reference', 'inference', 'train', 'checkpoint', 'compiled'
@@ -85,11 +89,14 @@ class Supports(NamedTuple):
     `Fast` or None (no such path); `checkpoint`: where the train path does not apply in training, the
     reference is recomputed in backward instead of kept; `compiled`: a `Fast` or None, where the op's reference
     compiled (`ops.compiled`, recomputed in backward) runs in training with the module's `fast_compile` on,
-    before the checkpoint (the train path, where it applies, still comes first)."""
+    before the checkpoint (the train path, where it applies, still comes first); `traced`: the paths among
+    'compiled', 'train' and 'checkpoint' that a whole-model torch.compile traces in training, on whole maps, in that
+    order of preference (tested under compile against float64: tests/test_compile.py); () there: the reference."""
     inference: Optional[Fast] = Fast()
     train: Optional[Fast] = Fast()
     checkpoint: bool = False
     compiled: Optional[Fast] = None
+    traced: tuple = ()
 
 
 #: an op with an inference fast path and no train path
@@ -126,9 +133,10 @@ def inference(module):
 
 def trains_fast(module):
     """The condition of every fast training path (closed-form backwards, recomputation in backward):
-    `module`'s `fast_train` switch on, train mode, autograd recording, not being exported."""
+    `module`'s `fast_train` switch on, train mode, autograd recording, not being exported (traced by torch.compile:
+    yes, with the paths the op declares traceable)."""
     return (bool(getattr(module, 'fast_train', False)) and module.training and torch.is_grad_enabled()
-            and not exporting())
+            and (not exporting() or compiling()))
 
 
 def _policy_piece(policy, x, whole_elems):
@@ -202,6 +210,19 @@ def _compiled_fast(fast, switch):
     return fast if switch is True else fast._replace(devices=tuple(switch))
 
 
+def _traced_path(module, x, supports, modules, acts):
+    """The `Path` of an op in training while torch.compile traces the model: the first of its `Supports.traced`
+    paths that applies (see the module docstring), on whole maps; else the reference."""
+    if COMPILED in supports.traced and supports.compiled is not None and getattr(module, 'fast_compile', False):
+        return Path(COMPILED, None)
+    fast = supports.train
+    if TRAIN in supports.traced and _takes(fast, x, modules, acts) and not fast.pieces_only:
+        return Path(TRAIN, None)
+    if CHECKPOINT in supports.traced and supports.checkpoint:
+        return Path(CHECKPOINT, None)
+    return Path.reference()
+
+
 def choose(module, x, whole_elems, supports=Supports(), *, modules=(), acts=(), policy=None):
     """The `Path` of `module`'s op on input `x`, whose whole map holds `whole_elems` elements in the op's
     unit of pieces.
@@ -220,7 +241,7 @@ def choose(module, x, whole_elems, supports=Supports(), *, modules=(), acts=(), 
     Returns:
         Path: the implementation and its piece.
     """
-    if exporting():
+    if exporting() and not compiling():
         return Path.reference()
     if policy is None:
         policy = getattr(module, 'memory_policy', None)
@@ -228,6 +249,8 @@ def choose(module, x, whole_elems, supports=Supports(), *, modules=(), acts=(), 
         fast = supports.inference
         path = _path(INFERENCE, fast, policy, x, whole_elems) if _takes(fast, x, modules, acts) else None
         return path or Path.reference()
+    if trains_fast(module) and compiling():
+        return _traced_path(module, x, supports, modules, acts)
     if trains_fast(module):
         fast = supports.train
         path = _path(TRAIN, fast, policy, x, whole_elems) if _takes(fast, x, modules, acts) else None

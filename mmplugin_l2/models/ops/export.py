@@ -45,6 +45,17 @@ def exporting():
     return torch.onnx.is_in_onnx_export()
 
 
+def compiling():
+    """True while `torch.compile` traces the model (mmengine's `compile=True`), not while it is exported (ONNX,
+    torch.export, `export_mode()`). There the layers still take their export forms (whole maps, out-of-place ops, a
+    real-valued RoPE), and in training `ops.dispatch.choose` gives an op the fast path it declares traceable
+    (`Supports.traced`) instead of its reference."""
+    compiler = getattr(torch, 'compiler', None)
+    if _depth or compiler is None or not compiler.is_compiling():
+        return False
+    return not compiler.is_exporting() and not torch.onnx.is_in_onnx_export()
+
+
 def stage_boundary():
     """Called by the backbones between two stages. Under `torch.compile` (not torch.export) it is a graph
     break: the next stage's map size becomes a fresh symbol instead of a nested ceil / floor division of the

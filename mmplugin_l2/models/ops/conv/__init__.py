@@ -7,7 +7,7 @@ with a large kernel's weight gradient as a convolution per sample and a strided 
 fp32 (`DepthwiseConvFunction`; `depthwise_applies`: the convs it computes), `DEPTHWISE_CONV` where it runs."""
 import torch
 
-from ..dispatch import INFERENCE, Fast, Supports
+from ..dispatch import INFERENCE, TRAIN, Fast, Supports
 from .batch_norm import BatchNormCLFunction
 from .depthwise import DepthwiseConvFunction, depthwise_applies, depthwise_input_grad, depthwise_weight_grad
 from .pieces import conv_chain_in_pieces
@@ -26,7 +26,7 @@ BATCH_NORM = Supports(inference=None, train=Fast(devices=('cpu',), dtypes=(torch
 #: the depth-wise training pass: computing in bf16 on CPU, where oneDNN's own depth-wise weight gradient of a large
 #: kernel is slower than the per-sample convolution, and its bf16 input gradient of a strided one slower than fp32's
 #: (docs/mixed_precision.md)
-DEPTHWISE_CONV = Supports(inference=None, train=Fast(devices=('cpu',), compute_dtypes=(torch.bfloat16,)))
+DEPTHWISE_CONV = Supports(inference=None, train=Fast(devices=('cpu',), compute_dtypes=(torch.bfloat16,)), traced=(TRAIN,))
 
 
 def chain_modules(layers):

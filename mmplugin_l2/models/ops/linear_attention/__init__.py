@@ -15,9 +15,9 @@ __all__ = ['LINEAR_ATTENTION', 'LINEAR_ATTENTION_HALF_SUMS', 'LinearAttentionCor
 
 
 #: inference works in pieces only (whole maps: the reference); the train function takes any dtype
-LINEAR_ATTENTION = Supports(inference=Fast(pieces_only=True), train=Fast())
+LINEAR_ATTENTION = Supports(inference=Fast(pieces_only=True), train=Fast(), traced=(TRAIN,))
 #: without `fp32_reduce` the train function would get q, k, v and the temperature in autocast's mixed dtypes
-LINEAR_ATTENTION_HALF_SUMS = Supports(inference=Fast(pieces_only=True), train=Fast(autocast=False))
+LINEAR_ATTENTION_HALF_SUMS = Supports(inference=Fast(pieces_only=True), train=Fast(autocast=False), traced=(TRAIN,))
 
 
 def linear_attention(path, x, qkv, proj, temperature, num_heads, clamp_min=100., fp32_reduce=True, norm=None):

@@ -31,21 +31,23 @@ def exact_gelu(act):
 #: what the ConvMlp closed-form training functions take
 _TRAIN_FUNCTION = Fast(half=False, autocast=False, dropout=False, act=exact_gelu, input_grad=True)
 #: Mlp: inference in pieces / in place; training checkpoints the reference
-MLP = Supports(inference=Fast(act=exact_gelu), train=None, checkpoint=True)
+MLP = Supports(inference=Fast(act=exact_gelu), train=None, checkpoint=True, traced=(CHECKPOINT,))
 #: ConvMlp: inference in pieces / in place; training `ConvMlpFunction` / `ConvMlpPiecesFunction` in fp32 / fp64, else
 #: checkpointed (under bf16 autocast a whole-step A/B measured the function no faster and its kept fc1 outputs
 #: larger than the checkpoint's, docs/mixed_precision.md)
-CONV_MLP = Supports(inference=Fast(act=exact_gelu), train=_TRAIN_FUNCTION, checkpoint=True)
+CONV_MLP = Supports(inference=Fast(act=exact_gelu), train=_TRAIN_FUNCTION, checkpoint=True, traced=(TRAIN, CHECKPOINT))
 #: a recomputing block's pre-norm MLP branch (affine LayerNorm, `Mlp`; L2ViT): training `NormMlpFunction`, under
 #: autocast on whole maps (its pieces' weight gradients would be sums of products rounded to the half dtype); on
 #: half tokens (the residual stream after a conv stem under autocast) checkpointed instead: as fast in bf16, and
 #: it keeps only the branch input where the function also keeps the fc1 output
 NORM_MLP = Supports(inference=None, train=_TRAIN_FUNCTION._replace(input_grad=False, autocast=True,
-                                                                   half_pieces=False), checkpoint=True)
+                                                                   half_pieces=False), checkpoint=True,
+                    traced=(TRAIN, CHECKPOINT))
 #: the branch of a block that does not recompute (ResT): `NormMlpFunction` also on half tokens under autocast (it
 #: keeps x and the fc1 output where the reference keeps the LayerNorm output, the fc1 output and its GELU), else
 #: the reference
-NORM_MLP_UNCHECKPOINTED = Supports(inference=None, train=NORM_MLP.train._replace(half='autocast'), checkpoint=False)
+NORM_MLP_UNCHECKPOINTED = Supports(inference=None, train=NORM_MLP.train._replace(half='autocast'), checkpoint=False,
+                                   traced=(TRAIN,))
 
 
 def mlp(path, x, fc1, fc2, act, drop, norm=None):

@@ -30,7 +30,7 @@ __all__ = ['TTT', 'TTTCore', 'compiled_swiglu_halves', 'compiled_swiglu_heads', 
 #: recomputation (then no checkpoint of its own); measured faster than the eager paths there
 TTT = Supports(inference=Fast(), train=Fast(half='autocast', compute_dtypes=(torch.float16, torch.float32,
                                                                              torch.float64)), checkpoint=True,
-               compiled=Fast(half='autocast', devices=('cpu',), compute_dtypes=(torch.bfloat16,)))
+               compiled=Fast(half='autocast', devices=('cpu',), compute_dtypes=(torch.bfloat16,)), traced=(COMPILED,))
 
 
 def ttt_attention(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, path):

@@ -22,7 +22,7 @@ __all__ = ['MAX_SDPA_BATCH_HEADS', 'WINDOW_ATTENTION', 'padding_key_mask', 'sdpa
 #: `scaled_dot_product_attention` backward on CPU is slower than its fp32 one, and rounds more; docs/mixed_precision.md)
 WINDOW_ATTENTION = Supports(inference=Fast(pieces_only=True),
                             train=Fast(devices=('cpu',), compute_dtypes=(torch.bfloat16, torch.float16),
-                                       half_pieces=False))
+                                       half_pieces=False), traced=(TRAIN,))
 
 
 def window_attention(path, x, hw_shape, window_size, attend, key_mask=None, norm=None):
