@@ -595,6 +595,19 @@ def test_peak_memory_sees_a_new_peak_and_nothing_below_an_earlier_one():
     assert first != 'None' and abs(float(first) - float(expected)) < 40 and second == 'None', r.stdout + r.stderr
 
 
+def test_steady_peak_memory_is_measured_below_an_earlier_peak():
+    """`PeakMemory(reset=True)` (what `train_steps(..., steady_memory=True)` uses after its warm-up) resets the
+    resident set's high-water mark: after an earlier 512 MB peak, a 64 MB allocation is measured as its size, where
+    the plain `PeakMemory` cannot measure it (None)."""
+    code = ('import torch\nfrom mmplugin_l2.analysis.measure import PeakMemory\n'
+            'z = torch.ones(128 * 2**20); del z\n'
+            'with PeakMemory("cpu", reset=True) as a:\n x = torch.ones(16 * 2**20); del x\n'
+            'with PeakMemory("cpu") as b:\n y = torch.ones(16 * 2**20); del y\nprint(a.mb, b.mb)')
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
+    steady, plain = r.stdout.split()
+    assert plain == 'None' and abs(float(steady) - 64) < 16, r.stdout + r.stderr
+
+
 def test_precision_settings_and_their_restore():
     import torch
     from mmplugin_l2.analysis.measure import precision
@@ -910,3 +923,22 @@ def test_profile_ops_tool_prints_the_table(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # its argument check, in this process
         cli.parse_args(['--precision', 'fp8'])
     assert e.value.code == 2 and "invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+def test_compile_check_times_compiled_and_eager_training_steps():
+    """`compile_check.py --train`'s measurement (`check_train`): the first compiled step, then the steady-state
+    steps of the compiled model and of an eager copy, each with the peak of its timed steps (measurable after the
+    larger warm-up and compile: `steady_memory`); the compiled steps train the model itself."""
+    import importlib.util
+
+    import torch
+    spec = importlib.util.spec_from_file_location('_compile_check_cli', f'{ROOT}/tools/analysis/compile_check.py')
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.GELU(), torch.nn.Conv2d(8, 4, 1))
+    before = model[0].weight.detach().clone()
+    r = cli.check_train(model, (16, 16), batch=2, iters=2, backend='aot_eager')
+    assert r['size'] == (16, 16) and r['first_step_s'] > 0 and r['compiled_ms'] > 0 and r['eager_ms'] > 0, r
+    assert r['compiled_mb'] is not None and r['eager_mb'] is not None, r
+    assert not torch.equal(before, model[0].weight)

@@ -7,6 +7,9 @@ settings, the training step and its gradients, and a runner of fresh Python proc
 * Peak memory (`PeakMemory`): on CUDA `torch.cuda.max_memory_allocated()` above what was allocated at the
   start; on CPU the process's peak resident set (`ru_maxrss`) above its resident set at the start, measurable
   only when the measured code raises the process's peak (so: in a fresh process, before anything larger ran).
+  `PeakMemory(device, reset=True)` resets the peak first (CUDA's peak statistics; on Linux the resident set's
+  high-water mark, `/proc/self/clear_refs`), so a window after warm-up (`train_steps(..., steady_memory=True)`)
+  is measurable in any process, e.g. after a compile.
 * Precision (`precision`): 'fp32' (TF32 off for CUDA matmuls and cuDNN), 'tf32' (TF32 on), 'bf16' / 'fp16'
   (autocast to that dtype, TF32 off).
 * Training step (`train_steps`): forward, backward of the summed output means (`output_loss`), AdamW step and
@@ -132,12 +135,32 @@ def _peak_rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _reset_rss_peak():
+    """Reset this process's resident-set high-water mark (Linux `clear_refs` 5); False where that is not possible."""
+    try:
+        with open('/proc/self/clear_refs', 'w') as f:
+            f.write('5')
+        return True
+    except OSError:
+        return False
+
+
+def _rss_high_water_bytes():
+    """VmHWM of /proc/self/status: the resident set's peak since the process started or `_reset_rss_peak`."""
+    with open('/proc/self/status') as f:
+        for line in f:
+            if line.startswith('VmHWM:'):
+                return int(line.split()[1]) * 1024
+    raise OSError('no VmHWM in /proc/self/status')
+
+
 class PeakMemory:
     """Peak memory in MB (`.mb`) of what runs inside the `with` above what was held at its start (see the
-    module docstring); None on CPU when the code stayed below the process's earlier peak."""
+    module docstring); None on CPU when the code stayed below the process's earlier peak. `reset`: the peak is
+    reset at the start, so any window is measurable (on CPU where Linux allows resetting it, else as without)."""
 
-    def __init__(self, device):
-        self.device, self.mb = torch.device(device), None
+    def __init__(self, device, reset=False):
+        self.device, self.mb, self.reset = torch.device(device), None, reset
 
     def __enter__(self):
         if self.device.type == 'cuda':
@@ -145,6 +168,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
         else:
+            self.high_water = self.reset and _reset_rss_peak()
             self.base, self.peak_before = rss_bytes(), _peak_rss_bytes()
         return self
 
@@ -154,6 +178,8 @@ class PeakMemory:
         if self.device.type == 'cuda':
             sync(self.device)
             self.mb = (torch.cuda.max_memory_allocated(self.device) - self.base) / 2**20
+        elif self.high_water:
+            self.mb = (_rss_high_water_bytes() - self.base) / 2**20
         else:
             peak = _peak_rss_bytes()
             self.mb = (peak - self.base) / 2**20 if peak > self.peak_before else None
@@ -199,19 +225,21 @@ def model_loss(model, x):
     return output_loss(model(x))
 
 
-def train_steps(model, x, warmup, iters, lr=1e-4, memory=True, prec='fp32', device=None):
+def train_steps(model, x, warmup, iters, lr=1e-4, memory=True, prec='fp32', device=None, steady_memory=False):
     """`warmup` + `iters` training iterations of `model` on `x` (forward, backward of `model_loss`, AdamW step,
     zero_grad) in precision `prec`; `x` a tensor, or a whole model's preprocessed batch (a dict, with `device`);
     returns (per-iteration dicts of total / forward / backward / optimizer ms of the timed ones, peak MB above
     what was held before the first iteration or None: not measured without `memory`, not measurable on CPU below
-    the process's earlier peak)."""
+    the process's earlier peak). `steady_memory`: the peak of the timed iterations only, above what was held after
+    the warm-up ones (`PeakMemory(reset=True)`)."""
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.05)
     dev = x.device if device is None else torch.device(device)
-    steps = []
+    steps, mem = [], None
     with contextlib.ExitStack() as stack:
-        mem = stack.enter_context(PeakMemory(dev)) if memory else None
         for i in range(warmup + iters):
+            if memory and i == (warmup if steady_memory else 0):
+                mem = stack.enter_context(PeakMemory(dev, reset=steady_memory))
             t0 = clock(dev)
             with precision(prec, dev):
                 loss = model_loss(model, x)

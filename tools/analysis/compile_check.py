@@ -15,7 +15,10 @@ minutes). Exits 1 if a relative difference exceeds --bound (default 1e-5). A che
 
 `--train`: training steps as mmengine's `compile=True` runs them (the forward and backward compiled; AdamW eager):
 the first compiled step (the compile), then the steady-state step of the compiled model and of the eager one (median
-of --iters steps after two warm-up steps each, `measure.train_steps`, in --precision) and their ratio. While
+of --iters steps after two warm-up steps each, `measure.train_steps`, in --precision), their ratio, and the peak
+memory of each one's timed steps above what it held after its warm-up (`steady_memory`; on CPU the resident set:
+run it under `MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0`, the benchmark's `live` allocator, for the live
+tensors' peak; its times are then not a benchmark). While
 compiling, each op traces the fast training paths it declares traceable (`Supports.traced`); `--fast-train off`
 builds the model with `fast_train=False`, so that every op traces its reference (the comparison for what the traced
 paths add). `--backend` picks the torch.compile backend (default inductor; `aot_eager` traces without generating
@@ -86,22 +89,23 @@ def check(model, sizes, repeat=3, timing=True):
 
 
 def check_train(model, size, batch=1, prec='fp32', iters=3, backend='inductor'):
-    """dict(size, first_step_s, compiled_ms, eager_ms) for training steps of `torch.compile(model, dynamic=True,
-    backend=backend)` and of `model` (see the module docstring); the eager steps run first, on a copy of the
-    weights."""
+    """dict(size, first_step_s, compiled_ms, eager_ms, compiled_mb, eager_mb) for training steps of
+    `torch.compile(model, dynamic=True, backend=backend)` and of `model` (see the module docstring); the eager
+    steps run first, on a copy of the weights."""
     import copy
     eager = copy.deepcopy(model)
     x = torch.randn(batch, 3, *size, generator=torch.Generator().manual_seed(size[0] * 7919 + size[1]))
-    eager_steps, _ = train_steps(eager, x, 2, iters, memory=False, prec=prec)
+    eager_steps, eager_mb = train_steps(eager, x, 2, iters, prec=prec, steady_memory=True)
     del eager
     compiled = torch.compile(model, dynamic=True, backend=backend)
     t = clock(x.device)
     train_steps(compiled, x, 0, 1, memory=False, prec=prec)
     first = clock(x.device) - t
-    steps, _ = train_steps(compiled, x, 2, iters, memory=False, prec=prec)
+    steps, compiled_mb = train_steps(compiled, x, 2, iters, prec=prec, steady_memory=True)
     return dict(size=tuple(size), first_step_s=first,
                 compiled_ms=statistics.median(s['total_ms'] for s in steps),
-                eager_ms=statistics.median(s['total_ms'] for s in eager_steps))
+                eager_ms=statistics.median(s['total_ms'] for s in eager_steps), compiled_mb=compiled_mb,
+                eager_mb=eager_mb)
 
 
 def train_main(args):
@@ -113,8 +117,12 @@ def train_main(args):
         model = build(name, args.tiny, with_cp=args.with_cp, fast_train=args.fast_train == 'on')
         r = check_train(model, args.sizes[0], args.batch, args.precision, args.iters, args.backend)
         print(f'{name:10s} {r["size"][0]}x{r["size"][1]}: first compiled step {r["first_step_s"]:.1f} s, compiled '
-              f'{r["compiled_ms"]:.0f} ms, eager {r["eager_ms"]:.0f} ms (compiled x{r["eager_ms"] / r["compiled_ms"]:.2f})',
-              flush=True)
+              f'{r["compiled_ms"]:.0f} ms, eager {r["eager_ms"]:.0f} ms (compiled x{r["eager_ms"] / r["compiled_ms"]:.2f}); '
+              f'peak of the timed steps: compiled {_mb(r["compiled_mb"])}, eager {_mb(r["eager_mb"])}', flush=True)
+
+
+def _mb(mb):
+    return 'not measurable' if mb is None else f'{mb:.0f} MB'
 
 
 def parse_size(text):
