@@ -117,7 +117,8 @@ def train_main(args):
         model = build(name, args.tiny, with_cp=args.with_cp, fast_train=args.fast_train == 'on')
         r = check_train(model, args.sizes[0], args.batch, args.precision, args.iters, args.backend)
         print(f'{name:10s} {r["size"][0]}x{r["size"][1]}: first compiled step {r["first_step_s"]:.1f} s, compiled '
-              f'{r["compiled_ms"]:.0f} ms, eager {r["eager_ms"]:.0f} ms (compiled x{r["eager_ms"] / r["compiled_ms"]:.2f}); '
+              f'{r["compiled_ms"]:.0f} ms, eager {r["eager_ms"]:.0f} ms '
+              f'(compiled x{r["eager_ms"] / r["compiled_ms"]:.2f}); '
               f'peak of the timed steps: compiled {_mb(r["compiled_mb"])}, eager {_mb(r["eager_mb"])}', flush=True)
 
 

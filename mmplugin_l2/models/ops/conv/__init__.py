@@ -21,12 +21,14 @@ __all__ = ['BATCH_NORM', 'BatchNormCLFunction', 'CONV_CHAIN', 'ConvBNAct', 'DEPT
 #: inference in pieces of rows, not while a BatchNorm of the chain is in train mode (a train-mode norm inside an
 #: eval model normalises with the batch's statistics and updates its running ones, which pieces cannot do)
 CONV_CHAIN = Supports(inference=Fast(train_norm=False), train=None)
-#: the accurate training pass: fp32 channels-last maps on CPU (elsewhere torch's kernel)
+#: the accurate training pass: fp32 channels-last maps on CPU (elsewhere torch's kernel); not traced by a whole-model
+#: torch.compile, which generates BatchNorm's code itself
 BATCH_NORM = Supports(inference=None, train=Fast(devices=('cpu',), dtypes=(torch.float32,), channels_last=True))
 #: the depth-wise training pass: computing in bf16 on CPU, where oneDNN's own depth-wise weight gradient of a large
 #: kernel is slower than the per-sample convolution, and its bf16 input gradient of a strided one slower than fp32's
-#: (docs/mixed_precision.md)
-DEPTHWISE_CONV = Supports(inference=None, train=Fast(devices=('cpu',), compute_dtypes=(torch.bfloat16,)), traced=(TRAIN,))
+#: (docs/mixed_precision.md); traced by a whole-model torch.compile too (the kernels it picks are aten's there as well)
+DEPTHWISE_CONV = Supports(inference=None, train=Fast(devices=('cpu',), compute_dtypes=(torch.bfloat16,)),
+                          traced=(TRAIN,))
 
 
 def chain_modules(layers):

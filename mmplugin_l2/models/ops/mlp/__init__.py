@@ -28,14 +28,16 @@ def exact_gelu(act):
     return type(act) is nn.GELU and act.approximate == 'none'
 
 
-#: what the ConvMlp closed-form training functions take
+#: what the ConvMlp closed-form training functions take (every MLP's train function and checkpoint is also traced by a
+#: whole-model torch.compile, `Supports.traced`)
 _TRAIN_FUNCTION = Fast(half=False, autocast=False, dropout=False, act=exact_gelu, input_grad=True)
 #: Mlp: inference in pieces / in place; training checkpoints the reference
 MLP = Supports(inference=Fast(act=exact_gelu), train=None, checkpoint=True, traced=(CHECKPOINT,))
 #: ConvMlp: inference in pieces / in place; training `ConvMlpFunction` / `ConvMlpPiecesFunction` in fp32 / fp64, else
 #: checkpointed (under bf16 autocast a whole-step A/B measured the function no faster and its kept fc1 outputs
 #: larger than the checkpoint's, docs/mixed_precision.md)
-CONV_MLP = Supports(inference=Fast(act=exact_gelu), train=_TRAIN_FUNCTION, checkpoint=True, traced=(TRAIN, CHECKPOINT))
+CONV_MLP = Supports(inference=Fast(act=exact_gelu), train=_TRAIN_FUNCTION, checkpoint=True,
+                    traced=(TRAIN, CHECKPOINT))
 #: a recomputing block's pre-norm MLP branch (affine LayerNorm, `Mlp`; L2ViT): training `NormMlpFunction`, under
 #: autocast on whole maps (its pieces' weight gradients would be sums of products rounded to the half dtype); on
 #: half tokens (the residual stream after a conv stem under autocast) checkpointed instead: as fast in bf16, and

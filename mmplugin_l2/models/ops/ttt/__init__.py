@@ -27,7 +27,8 @@ __all__ = ['TTT', 'TTTCore', 'compiled_swiglu_halves', 'compiled_swiglu_heads', 
 #: Under bf16 autocast on CPU, the compiled path (`compiled.compiled_core_tokens`: the SwiGLU heads' forward and
 #: backward fused by inductor) instead of the checkpoint: the qkv tokens kept and the compiled core recomputed in
 #: backward by its own checkpoint (the checkpoint path's memory), or inside a `with_cp` block by the block's
-#: recomputation (then no checkpoint of its own); measured faster than the eager paths there
+#: recomputation (then no checkpoint of its own); measured faster than the eager paths there. Under a whole-model
+#: torch.compile in training (any device and dtype, `fast_compile` on) the compiled path's form, compiled by it
 TTT = Supports(inference=Fast(), train=Fast(half='autocast', compute_dtypes=(torch.float16, torch.float32,
                                                                              torch.float64)), checkpoint=True,
                compiled=Fast(half='autocast', devices=('cpu',), compute_dtypes=(torch.bfloat16,)), traced=(COMPILED,))
