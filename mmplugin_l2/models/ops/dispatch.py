@@ -249,9 +249,9 @@ def choose(module, x, whole_elems, supports=Supports(), *, modules=(), acts=(), 
         fast = supports.inference
         path = _path(INFERENCE, fast, policy, x, whole_elems) if _takes(fast, x, modules, acts) else None
         return path or Path.reference()
-    if trains_fast(module) and compiling():
-        return _traced_path(module, x, supports, modules, acts)
     if trains_fast(module):
+        if compiling():
+            return _traced_path(module, x, supports, modules, acts)
         fast = supports.train
         path = _path(TRAIN, fast, policy, x, whole_elems) if _takes(fast, x, modules, acts) else None
         if path is None:
