@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from ..dtypes import autocast_off
 from ..split import piece_length, split
 from ..tokens import padding_to_multiple
-from ..export import exporting
+from ..export import compiling, exporting
 
 #: most (window, head) pairs one `F.scaled_dot_product_attention` call takes: CUDA's limit on gridDim.y and
 #: gridDim.z (65535 blocks); the flash and memory-efficient SDPA kernels launch the batch (here the windows of
@@ -21,8 +21,7 @@ MAX_SDPA_BATCH_HEADS = 65535
 def sdpa_batch_slices(batch, heads):
     """Consecutive slices of a batch of `batch` windows, each of at most MAX_SDPA_BATCH_HEADS // heads windows
     (one slice when the whole batch fits; while exporting one graph for every size, always one)."""
-    compiling = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
-    if exporting() and not compiling:
+    if exporting() and not compiling():
         return [slice(None)]
     if batch <= piece_length(MAX_SDPA_BATCH_HEADS, unit=heads):
         return [slice(None)]
