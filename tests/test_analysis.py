@@ -2,6 +2,7 @@
 code."""
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -907,15 +908,20 @@ def test_op_profile_bounds_count_what_a_step_must_move_at_least():
     assert mlps and all(rows[k]['bound_ms'] > 0 for k in mlps)
 
 
-def test_profile_ops_tool_prints_the_table(tmp_path, capsys):
+def test_profile_ops_tool_prints_the_table(tmp_path, capsys, monkeypatch):
+    """The tool from a process under glibc's default allocator, asked for the caching one: the profile runs in a
+    fresh process under it, and its head line and JSON say so; which allocator a process runs under is read from
+    its environment."""
     out = tmp_path / 'p.json'
+    env = {k: v for k, v in os.environ.items() if not k.startswith('MALLOC_')}
     r = subprocess.run([sys.executable, f'{ROOT}/tools/analysis/profile_ops.py', '--model', 'rest_s', '--tiny',
-                        '--size', '64', '--precision', 'bf16', '--kind', 'train', '--warmup', '0', '--out', str(out)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+                        '--size', '64', '--precision', 'bf16', '--kind', 'train', '--warmup', '0', '--allocator',
+                        'caching', '--out', str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert 'rest_s (tiny) 64x64, batch 1, train, bf16 autocast' in r.stdout and '| op | calls | path |' in r.stdout
+    assert 'rest_s (tiny) 64x64, batch 1, train, bf16 autocast, caching allocator' in r.stdout, r.stdout[:500]
+    assert '| op | calls | path |' in r.stdout
     res = json.loads(out.read_text())
-    assert res['precision'] == 'bf16' and res['rows'] and res['model'] == 'rest_s'
+    assert res['precision'] == 'bf16' and res['rows'] and res['model'] == 'rest_s' and res['allocator'] == 'caching'
     import importlib.util
     spec = importlib.util.spec_from_file_location('_profile_ops_cli', f'{ROOT}/tools/analysis/profile_ops.py')
     cli = importlib.util.module_from_spec(spec)
@@ -923,6 +929,16 @@ def test_profile_ops_tool_prints_the_table(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # its argument check, in this process
         cli.parse_args(['--precision', 'fp8'])
     assert e.value.code == 2 and "invalid choice: 'fp8'" in capsys.readouterr().err
+    from mmplugin_l2.analysis.measure import allocator_env
+    for name in ('caching', 'live', 'glibc'):
+        for k in [k for k in os.environ if k.startswith('MALLOC_')]:
+            monkeypatch.delenv(k)
+        for k, v in allocator_env(name).items():
+            if k.startswith('MALLOC_'):
+                monkeypatch.setenv(k, v)
+        assert cli.running_allocator() == name
+    monkeypatch.setenv('MALLOC_ARENA_MAX', '2')
+    assert cli.running_allocator() == 'other'
 
 
 def test_compile_check_times_compiled_and_eager_training_steps():

@@ -4,7 +4,8 @@ matrix products, convolutions and attention kernels actually ran in. Prints a ma
 
     python tools/analysis/profile_ops.py [--model hvit3_t] [--size 800x1344] [--batch 1]
         [--precision fp32|tf32|bf16|fp16] [--kind train|infer] [--by group|module] [--warmup 1]
-        [--device cpu|cuda] [--tiny] [--bounds] [--cfg-options KEY=VALUE ...] [--out profile.json]
+        [--device cpu|cuda] [--tiny] [--bounds] [--allocator glibc|caching|live|jemalloc|tcmalloc]
+        [--cfg-options KEY=VALUE ...] [--out profile.json]
 
 `train`: one training step (forward under the precision's autocast, backward of the summed output means; no
 optimizer step), `infer`: one no-grad forward in eval mode; each after --warmup plain steps and one timed plain
@@ -12,17 +13,21 @@ step (the head line's figures). Rows: one per op (the innermost module that call
 roofline's, else `other`), per stage and class (`--by group`) or per module (`--by module`), by time. What each
 column counts: mmplugin_l2/analysis/opprofile.py. --bounds adds each op's least bytes (what its forward and
 backward must read and write at least), its bound (those bytes at this machine's copy bandwidth, or its
-multiply-adds at the matmul peak, whichever is longer) and the measured time over the bound. Whole-model step
-times across models: benchmark.py.
+multiply-adds at the matmul peak, whichever is longer) and the measured time over the bound. --allocator runs
+the profile in a fresh process under that allocator (benchmark.py's: `caching` keeps freed memory as a GPU's
+caching allocator does, so large outputs do not page-fault); without it, in this process, under the allocator it
+was started with (the head line and the JSON say which). Whole-model step times across models: benchmark.py.
 """
 import argparse
 import json
+import subprocess
+import sys
 
 import torch
 
 from mmplugin_l2.analysis import opprofile
-from mmplugin_l2.analysis.benchmark import PRECISION_TITLES, nested, option_arg, size_arg
-from mmplugin_l2.analysis.measure import PRECISIONS
+from mmplugin_l2.analysis.benchmark import check_allocator, nested, option_arg, size_arg, variant_title
+from mmplugin_l2.analysis.measure import ALLOCATORS, PRECISIONS, allocator_env
 from mmplugin_l2.analysis.models import MODELS, build
 
 
@@ -45,6 +50,8 @@ def parse_args(argv=None):
                         'matmul peak), and the measured time over it')
     p.add_argument('--cfg-options', nargs='+', type=option_arg, default=[], metavar='KEY=VALUE',
                    help='overrides of our backbones\' arguments, dotted keys nest (e.g. fast_train=False)')
+    p.add_argument('--allocator', choices=list(ALLOCATORS),
+                   help='profile in a fresh process under this allocator (default: this process, as started)')
     p.add_argument('--out', help='JSON file of the profile')
     args = p.parse_args(argv)
     if args.batch < 1 or args.warmup < 0:
@@ -54,17 +61,43 @@ def parse_args(argv=None):
     return args
 
 
+def running_allocator():
+    """The allocator of measure.ALLOCATORS this process runs under ('glibc': none of glibc's tunables set), or
+    'other' (tunables or a preload that none of them sets)."""
+    for name in ALLOCATORS:
+        try:
+            check_allocator(name)
+            return name
+        except RuntimeError:
+            pass
+    return 'other'
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.allocator is not None and running_allocator() != args.allocator:
+        try:
+            env = allocator_env(args.allocator)
+        except ValueError as e:  # a preloaded allocator that is not installed
+            sys.exit(f'profile_ops.py: {e}')
+        argv = sys.argv[1:] if argv is None else list(argv)
+        code = subprocess.run([sys.executable, __file__, *argv], env=env).returncode
+        if code:
+            sys.exit(code)
+        if args.out:
+            with open(args.out) as f:
+                return json.load(f)
+        return None
+    alloc = running_allocator()
     torch.manual_seed(0)
     dev = torch.device(args.device)
     model = build(args.model, nested(dict(args.cfg_options)) or None, size=args.size, tiny=args.tiny).to(dev)
     x = torch.randn(args.batch, 3, *args.size, device=dev)
     res = opprofile.profile_ops(model, x, args.kind, args.precision, args.warmup, args.by, bounds=args.bounds)
     res.update(model=args.model, size=list(args.size), batch=args.batch, device=args.device,
-               threads=torch.get_num_threads(), tiny=args.tiny, torch=torch.__version__)
+               threads=torch.get_num_threads(), tiny=args.tiny, torch=torch.__version__, allocator=alloc)
     print(f'{args.model}{" (tiny)" if args.tiny else ""} {args.size[0]}x{args.size[1]}, batch {args.batch}, '
-          f'{args.kind}, {PRECISION_TITLES[args.precision]}, {args.device} ({torch.get_num_threads()} threads), '
+          f'{args.kind}, {variant_title(args.precision, alloc)}, {args.device} ({torch.get_num_threads()} threads), '
           f'torch {torch.__version__}')
     print()
     print(opprofile.table(res), end='')
