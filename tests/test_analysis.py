@@ -467,6 +467,22 @@ def test_detector_iteration_under_bf16(tmp_path):
     with pytest.raises(ValueError, match='only its training iteration'):
         bm.measure(dict(s, kind='infer', size=[128, 160], warmup=0, iters=1, device='cpu'))
 
+def test_cfg_options_apply_to_our_models_only():
+    """The benchmark's backbone overrides (`--cfg-options`, a spec's `cfg`) go to our backbones and detectors from
+    our configs; the models we compare with (Swin-T here, which has no `fast_train`) are built as they are, and only
+    the samples of ours record the overrides."""
+    from mmplugin_l2.analysis import benchmark as bm
+    from mmplugin_l2.analysis.models import is_ours
+    assert all(is_ours(n) for n in ('hvit3_t', 'hvit3_t_cp', 'l2vit_t', 'rest_s', 'vit3_t', 'mask_rcnn_hvit3_t'))
+    assert not any(is_ours(n) for n in ('swin_t', 'deit_t', 'swin_t_timm', 'deit_t_timm', 'mask_rcnn_swin_t',
+                                        'hvit3_t@authors', 'mask_rcnn_hvit3_t@authors', 'no_such_model'))
+    spec = dict(kind='infer', size=[32, 32], batch=1, warmup=0, iters=1, device='cpu', tiny=True,
+                cfg=dict(fast_train=False))
+    ours, swin = bm.measure(dict(spec, model='hvit3_t')), bm.measure(dict(spec, model='swin_t'))
+    assert ours['cfg'] == dict(fast_train=False) and ours['latency_ms'] > 0
+    assert 'cfg' not in swin and swin['latency_ms'] > 0
+
+
 def test_committed_results_keep_fp32_and_bf16_apart():
     """docs/benchmark_results.json: the runs written before precisions existed (no `precision` in their samples)
     count as fp32, the bf16 runs as bf16; the plot shows fp32."""

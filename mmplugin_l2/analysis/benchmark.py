@@ -34,7 +34,7 @@ import torch
 
 from .measure import ALLOCATORS, PRECISIONS, allocator_env, emit, failure_line, measure_infer, run_fresh, train_steps
 from .models import (AUTHORS_TAG, DETECTORS, MODELS, build, build_detector, check_name,  # noqa: F401 (the tools')
-                     is_detector, label, mmcv_ops_in_fp32)
+                     is_detector, is_ours, label, mmcv_ops_in_fp32)
 
 FORMAT = 'mmplugin_l2-benchmark/1'
 KINDS = ('infer', 'train', 'maxbatch')
@@ -161,8 +161,9 @@ def measure(spec):
             precision ('fp32' (TF32 off, the default) | 'tf32' | 'bf16', optional; recorded when not fp32),
             allocator (measure.ALLOCATORS, optional: the one this process was started under, checked; recorded
             when not glibc),
-            tiny (bool, optional: narrow widths, a smoke test), cfg (dict, optional: overrides of the
-            backbone's arguments, recorded in the sample).
+            tiny (bool, optional: narrow widths, a smoke test), cfg (dict, optional: overrides of our
+            backbone's arguments (`models.is_ours`; the other models, the authors' included, are built as they
+            are), recorded in the samples of the models it applied to).
     """
     if spec['device'] == 'cpu':
         check_allocator(sample_allocator(spec))
@@ -170,19 +171,20 @@ def measure(spec):
     dev = torch.device(spec['device'])
     size, batch, prec = tuple(spec['size']), spec['batch'], spec.get('precision', 'fp32')
     detector = is_detector(spec['model'])
+    cfg = spec.get('cfg') if is_ours(spec['model']) else None
     if detector:
         if spec['kind'] != 'train':
             raise ValueError(f'{spec["model"]} is a whole detector: only its training iteration is measured '
                              f'(kind train), not {spec["kind"]!r}')
-        model, x = build_detector(spec['model'], size, batch, spec.get('authors_roots'), dev, spec.get('cfg'))
+        model, x = build_detector(spec['model'], size, batch, spec.get('authors_roots'), dev, cfg)
     else:
-        model = build(spec['model'], spec.get('cfg'), size=size, authors_roots=spec.get('authors_roots'),
+        model = build(spec['model'], cfg, size=size, authors_roots=spec.get('authors_roots'),
                       tiny=spec.get('tiny', False)).to(dev)
         x = torch.randn(batch, 3, *size, device=dev)
     s = dict(model=spec['model'], kind=spec['kind'], size=list(size), batch=batch, round=spec.get('round', 0),
              params=sum(p.numel() for p in model.parameters()), **variant_fields(spec))
-    if spec.get('cfg'):
-        s['cfg'] = spec['cfg']
+    if cfg:
+        s['cfg'] = cfg
     if spec['kind'] == 'infer':
         med, times, mem = measure_infer(model, x, spec['warmup'], spec['iters'], prec)
         s.update(latency_ms=med, times_ms=times, throughput=batch / med * 1e3, peak_mem_mb=mem)

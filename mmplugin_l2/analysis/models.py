@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from . import authors
 from .table import (AUTHORS_TAG, DETECTOR_AUTHORS, DETECTORS, LABELS, MODELS, PLAIN_ATTENTION,  # noqa: F401
-                    TINY, authors_base, build_ours, label)
+                    TINY, authors_base, build_ours, is_ours, label)
 
 
 def check_name(name, authors_roots=None):
@@ -157,7 +157,7 @@ def build(name, extra_cfg=None, size=None, authors_roots=None, tiny=False):
         if size is not None:
             authors.check_size(base, size)
         return authors.build(base, authors_roots[authors.AUTHORS[base][0]])
-    if '.' not in MODELS[name]['type'] and MODELS[name]['type'] != 'timm':
+    if is_ours(name):
         return build_ours(name, extra_cfg, tiny)
     cfg = dict(MODELS[name])
     if tiny:

@@ -93,6 +93,15 @@ def label(name):
     return DETECTORS[name][1] if name in DETECTORS else LABELS.get(name, name)
 
 
+def is_ours(name):
+    """Whether `name` is one of our backbones (a MODELS entry of type HViT3 / ViT3 / L2ViT / ResT) or a detector
+    from our config (DETECTORS): what the tools' backbone overrides (`--cfg-options`) apply to. Not `<name>@authors`,
+    not the other libraries' models (mmdet's, mmpretrain's, timm's)."""
+    if name in DETECTORS:
+        return DETECTORS[name][0].startswith('mmplugin_l2::')
+    return name in MODELS and '.' not in MODELS[name]['type'] and MODELS[name]['type'] != 'timm'
+
+
 def build_ours(name, extra_cfg=None, tiny=False):
     """One of our backbones (a MODELS key of type HViT3 / ViT3 / L2ViT / ResT), without mmdet's registry."""
     cfg = dict(MODELS[name])

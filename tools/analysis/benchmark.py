@@ -77,8 +77,9 @@ def parse_args(argv=None):
     r.add_argument('--authors-code', nargs='+', type=authors.family_path, default=[], metavar='FAMILY=PATH')
     r.add_argument('--timeout', type=float, default=None, help='seconds per measurement (default: none)')
     r.add_argument('--cfg-options', nargs='+', type=bm.option_arg, default=[], metavar='KEY=VALUE',
-                   help='overrides of our backbones\' arguments, dotted keys nest (e.g. fast_train=False '
-                        'memory_policy.max_elems=1048576); the samples record them')
+                   help='overrides of our backbones\' arguments (ours only: the other models and the authors\' '
+                        'are built as they are), dotted keys nest (e.g. fast_train=False '
+                        'memory_policy.max_elems=1048576); the samples of our models record them')
     r.add_argument('--smoke', action='store_true', help='label the results a smoke run (not a benchmark)')
     r.add_argument('--out', required=True, help='results JSON')
     d = sub.add_parser('render', help='write docs tables and plot from a results file')
