@@ -945,6 +945,7 @@ def test_profile_ops_tool_prints_the_table(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:  # its argument check, in this process
         cli.parse_args(['--precision', 'fp8'])
     assert e.value.code == 2 and "invalid choice: 'fp8'" in capsys.readouterr().err
+    from mmplugin_l2.analysis.benchmark import running_allocator, runs_under
     from mmplugin_l2.analysis.measure import allocator_env
     for name in ('caching', 'live', 'glibc'):
         for k in [k for k in os.environ if k.startswith('MALLOC_')]:
@@ -952,9 +953,12 @@ def test_profile_ops_tool_prints_the_table(tmp_path, capsys, monkeypatch):
         for k, v in allocator_env(name).items():
             if k.startswith('MALLOC_'):
                 monkeypatch.setenv(k, v)
-        assert cli.running_allocator() == name
+        assert running_allocator() == name
     monkeypatch.setenv('MALLOC_ARENA_MAX', '2')
-    assert cli.running_allocator() == 'other'
+    assert running_allocator() == 'other'
+    # a preload on top of glibc's tunables: that allocator is the one asked for (the tool does not run it again)
+    monkeypatch.setenv('LD_PRELOAD', '/usr/lib/libjemalloc.so.2')
+    assert runs_under('jemalloc') and not runs_under('glibc')
 
 
 def test_compile_check_times_compiled_and_eager_training_steps():

@@ -137,17 +137,27 @@ def variant_fields(spec):
     return out
 
 
-def check_allocator(name, env=None):
-    """Raise RuntimeError unless this process runs under the allocator `name` (its environment has what
-    measure.allocator_env sets), so that a sample never records an allocator it did not run under."""
+def runs_under(name, env=None):
+    """Whether this process (or one with the environment `env`) runs under the allocator `name`
+    (measure.ALLOCATORS): its environment has what measure.allocator_env sets."""
     env = os.environ if env is None else env
     want = ALLOCATORS[name]
     if isinstance(want, tuple):
-        ok = any(lib in env.get('LD_PRELOAD', '') for lib in want)
-    else:
-        ok = all(env.get(k) == v for k, v in want.items()) and (
-            name != 'glibc' or not any(k.startswith('MALLOC_') for k in env))
-    if not ok:
+        return any(lib in env.get('LD_PRELOAD', '') for lib in want)
+    return all(env.get(k) == v for k, v in want.items()) and (
+        name != 'glibc' or not any(k.startswith('MALLOC_') for k in env))
+
+
+def running_allocator(env=None):
+    """The first allocator of measure.ALLOCATORS this process (or `env`) runs under ('glibc': none of glibc's
+    tunables set), or 'other' (tunables or a preload that none of them sets)."""
+    return next((name for name in ALLOCATORS if runs_under(name, env)), 'other')
+
+
+def check_allocator(name, env=None):
+    """Raise RuntimeError unless this process runs under the allocator `name` (`runs_under`), so that a sample
+    never records an allocator it did not run under."""
+    if not runs_under(name, env):
         raise RuntimeError(f'this process does not run under the allocator {name!r} (its environment lacks what '
                            f'measure.allocator_env sets): measure it through run_subprocess')
 

@@ -26,7 +26,8 @@ import sys
 import torch
 
 from mmplugin_l2.analysis import opprofile
-from mmplugin_l2.analysis.benchmark import check_allocator, nested, option_arg, size_arg, variant_title
+from mmplugin_l2.analysis.benchmark import (nested, option_arg, running_allocator, runs_under, size_arg,
+                                             variant_title)
 from mmplugin_l2.analysis.measure import ALLOCATORS, PRECISIONS, allocator_env
 from mmplugin_l2.analysis.models import MODELS, build
 
@@ -61,21 +62,9 @@ def parse_args(argv=None):
     return args
 
 
-def running_allocator():
-    """The allocator of measure.ALLOCATORS this process runs under ('glibc': none of glibc's tunables set), or
-    'other' (tunables or a preload that none of them sets)."""
-    for name in ALLOCATORS:
-        try:
-            check_allocator(name)
-            return name
-        except RuntimeError:
-            pass
-    return 'other'
-
-
 def main(argv=None):
     args = parse_args(argv)
-    if args.allocator is not None and running_allocator() != args.allocator:
+    if args.allocator is not None and not runs_under(args.allocator):
         try:
             env = allocator_env(args.allocator)
         except ValueError as e:  # a preloaded allocator that is not installed
@@ -88,7 +77,7 @@ def main(argv=None):
             with open(args.out) as f:
                 return json.load(f)
         return None
-    alloc = running_allocator()
+    alloc = args.allocator or running_allocator()
     torch.manual_seed(0)
     dev = torch.device(args.device)
     model = build(args.model, nested(dict(args.cfg_options)) or None, size=args.size, tiny=args.tiny).to(dev)
