@@ -43,19 +43,19 @@ HVIT3_CONVS = dict(CONV_CHAIN={'reference'}, BATCH_NORM={'reference'})
 PATHS = {
     'hvit3_t': dict(
         # TTT: fp16 its closed form (TTTCore, in pieces of tokens), bf16 its compiled core (recomputed in backward);
-        # ConvMlp: the checkpoint
-        bf16=dict(TTT={'compiled'}, CONV_MLP={'checkpoint'}, DEPTHWISE_CONV={'train'}, **HVIT3_CONVS),
-        fp16=dict(TTT={'train (pieces)'}, CONV_MLP={'checkpoint'}, DEPTHWISE_CONV={'reference'}, **HVIT3_CONVS)),
+        # ConvMlp: its train function on whole maps (keeping the fc1 output; the memory policy's pieces are for fp32)
+        bf16=dict(TTT={'compiled'}, CONV_MLP={'train'}, DEPTHWISE_CONV={'train'}, **HVIT3_CONVS),
+        fp16=dict(TTT={'train (pieces)'}, CONV_MLP={'train'}, DEPTHWISE_CONV={'reference'}, **HVIT3_CONVS)),
     'vit3_t': dict(
         # the block calls its plain Mlp itself (not NORM_MLP): `ops.mlp.MLP`, no train path, is checkpointed
         bf16=dict(TTT={'compiled'}, MLP={'checkpoint'}),
         fp16=dict(TTT={'train (pieces)'}, MLP={'checkpoint'})),
     'l2vit_t': {prec: dict(
         # the window attention trains with its kernel in fp32 (chosen again in backward: its branch recomputes the
-        # LayerNorm and the windows); the linear attention trains in pieces; the MLP branch on half tokens is
-        # checkpointed (NORM_MLP), its Mlp running the reference inside; LCM (CONV_CHAIN, recomputed) and the stem
+        # LayerNorm and the windows); the linear attention trains in pieces; the MLP branch on half tokens runs
+        # NormMlpFunction (NORM_MLP, whole maps); LCM (CONV_CHAIN, recomputed) and the stem
         WINDOW_ATTENTION={'train', 'train in backward'}, LINEAR_ATTENTION={'train (pieces)'},
-        NORM_MLP={'checkpoint'}, MLP=RECOMPUTED_REFERENCE, CONV_CHAIN=RECOMPUTED_REFERENCE,
+        NORM_MLP={'train'}, CONV_CHAIN=RECOMPUTED_REFERENCE,
         BATCH_NORM=RECOMPUTED_REFERENCE,
         # LCM's depth-wise 7 x 7 convolutions: the depth-wise pass in bf16 only (fp16 keeps torch's kernel)
         DEPTHWISE_CONV={'train', 'train in backward'} if prec == 'bf16' else RECOMPUTED_REFERENCE)
@@ -111,7 +111,7 @@ PRODUCTS = {
         WINDOW_ATTENTION={**LINEARS, 'fwd sdpa': 'fp32', 'bwd sdpa_backward': 'fp32'},
         # qkv / proj in the autocast dtype, K^T V, the denominator and their backward in fp32
         LINEAR_ATTENTION={**LINEARS, 'fwd bmm': 'fp32', 'bwd bmm': 'fp32'},
-        MLP=LINEARS,
+        NORM_MLP=LINEARS,
         # LCM is recomputed in backward: its convolutions' forward again there, in the autocast dtype; its
         # stride-1 7 x 7 convolutions' weight gradient at batch 1 in bf16 too (no fp32 product in the step)
         DEPTHWISE_CONV={**DEPTHWISE[prec], 'bwd conv': 'P'} if prec == 'bf16' else DEPTHWISE[prec])

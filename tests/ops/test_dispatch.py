@@ -162,6 +162,26 @@ def test_half_inputs_under_autocast_only_and_half_pieces():
             assert choose(m, x.to(dtype), 16, whole_in_half) == (TRAIN, None)
 
 
+def test_half_recomputed():
+    """`half_recomputed=False`: where the path computes in half precision it does not run inside a recomputed region
+    (the reference there, which the region's recomputation keeps only while its backward runs); in fp32 there, and
+    in half precision outside one, it does; the region does not checkpoint again."""
+    m, x = _layer(), _grad_input()
+    outside = Supports(train=Fast(half='autocast', half_pieces=False, half_recomputed=False), checkpoint=True)
+    got = []
+    for region in (contextlib.nullcontext, dispatch.recomputed_region):
+        with region():
+            got.append(choose(m, x, 16, outside))
+            for dtype in (torch.bfloat16, torch.float16):
+                with torch.autocast('cpu', dtype=dtype):
+                    got += [choose(m, x, 16, outside), choose(m, x.to(dtype), 16, outside)]
+    assert got == [(TRAIN, 4)] + [(TRAIN, None)] * 4 + [(TRAIN, 4)] + [(REFERENCE, None)] * 4, got
+    with dispatch.recomputed_region():
+        assert choose(m, x, 16, Supports(train=Fast(half='autocast'))) == (TRAIN, 4)
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            assert choose(m, x, 16, Supports(train=Fast(half='autocast'))) == (TRAIN, 4)
+
+
 @contextlib.contextmanager
 def _pieces_given():
     """The pieces `choose` gave while inside (every layer's one dispatch)."""

@@ -1,6 +1,8 @@
 """`ops.mlp`: the MLPs' inference in pieces and their training functions (closed-form backward) against the
 reference (plain autograd, the activation a parameter), the dispatch of the `Mlp` / `ConvMlp` layers and of
 the pre-norm MLP branch, autocast, and the fallback to the reference for settings the fast paths lack."""
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -109,6 +111,52 @@ def test_conv_mlp_pieces_function_matches_naive(hw, rows):
     """Pieces of rows with their halo rows, a partial last piece, one piece for the whole map."""
     assert_matches_naive(lambda x, *p: ConvMlpPiecesFunction.apply(x, hw, rows, *p),
                          lambda x, *p: _conv_mlp(conv_mlp_naive)(x, hw, *p), [_x(hw)] + _params())
+
+
+@pytest.mark.parametrize('keep_fc1', [True, False])
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_conv_mlp_function_under_autocast_no_worse_than_the_reference(dtype, keep_fc1):
+    """Under autocast `ConvMlpFunction` (on whole maps, as `CONV_MLP` declares) is as accurate as the reference is
+    there (its backward under the forward's autocast state: products, convolutions and GELUs in the autocast
+    dtype): output and every gradient against the naive form in float64; the output in the autocast dtype, the
+    gradients in the inputs' dtypes."""
+    hw, c, r = (9, 7), 16, 40
+    g = torch.Generator().manual_seed(2)
+    shapes = [(r, c), (r,), (r, 1, 3, 3), (r,), (c, r), (c,)]
+    ps = [(torch.randn(s, generator=g, dtype=torch.float64) * .3).requires_grad_() for s in shapes]
+    x = (torch.randn(2, hw[0] * hw[1], c, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    fast = lambda x, *p: ConvMlpFunction.apply(x, hw, keep_fc1, *p)  # noqa: E731
+    e_fast, _ = assert_autocast_no_worse(fast, lambda x, *p: _conv_mlp(conv_mlp_reference)(x, hw, *p),
+                                         lambda x, *p: _conv_mlp(conv_mlp_naive)(x, hw, *p), [x] + ps, dtype,
+                                         norm='l2')
+    assert max(e_fast) < (5e-2 if dtype == torch.bfloat16 else 1e-2)
+    x32, ps32 = x.detach().float().requires_grad_(), [p.detach().float().requires_grad_() for p in ps]
+    with torch.autocast('cpu', dtype=dtype):
+        y = ConvMlpFunction.apply(x32, hw, keep_fc1, *ps32)
+    grads = torch.autograd.grad(y.float().sum(), [x32] + ps32)
+    assert y.dtype == dtype and all(t.dtype == torch.float32 for t in grads)
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_conv_mlp_layer_under_autocast_outside_recomputed_blocks_only(dtype):
+    """Under autocast a training ConvMlp runs `ConvMlpFunction` on the whole map (pieces given by the policy are
+    fp32's), keeping its input and the fc1 output (in the autocast dtype); inside a recomputed region (a `with_cp`
+    block) the reference, whose saved tensors the region keeps only while its backward runs; in fp32 there, its
+    train function in pieces as before."""
+    from mmplugin_l2.models.ops.dispatch import recomputed_region
+    m = ConvMlp(C, R, fast_train=True).train()
+    set_memory_policy(m, dict(max_elems=2 * C))
+    hw = (7, 9)
+    x = torch.randn(2, 63, C, requires_grad=True)
+    got = []
+    for region, amp in ((contextlib.nullcontext, True), (recomputed_region, True), (recomputed_region, False)):
+        with region(), torch.autocast('cpu', dtype=dtype, enabled=amp):
+            y, saved = saved_for_backward(lambda: m(x, hw))
+        got.append(_grad_fn(y))
+        if region is contextlib.nullcontext:
+            kept = nbytes(saved) - nbytes(list(m.parameters()))
+            assert kept == x.numel() * 4 + 2 * 63 * R * dtype.itemsize, kept
+    assert got == ['ConvMlpFunctionBackward', 'ViewBackward0', 'ConvMlpPiecesFunctionBackward'], got
 
 
 @pytest.mark.parametrize('rows', [None, 7, 1, 61])
@@ -255,24 +303,27 @@ def test_norm_mlp_branch_under_autocast_takes_the_train_function_on_whole_maps(d
 
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
 def test_norm_mlp_branch_on_half_tokens(dtype):
-    """On half tokens under autocast (L2ViT's and ResT's residual streams after their conv stems) a recomputing
-    block's branch (L2ViT) is checkpointed, which keeps only its input; a block that does not recompute (ResT) runs
-    `NormMlpFunction` on the whole map (keeping x and the fc1 output, not the reference's three hidden maps). Both
-    give the reference's output under the same autocast; the parameter gradients are fp32, the input's in the
-    tokens' dtype. Half weights without autocast take the reference."""
+    """On half tokens under autocast (L2ViT's and ResT's residual streams after their conv stems) the branch of a
+    block that checkpoints it (L2ViT) and of one that does not (ResT) runs `NormMlpFunction` on the whole map (keeping
+    x and the fc1 output); inside a recomputed region (a `with_cp` block) the first runs the reference, the second
+    the function still. All give the reference's output under the same autocast; the parameter gradients are fp32,
+    the input's in the tokens' dtype. Half weights without autocast take the reference."""
     from mmplugin_l2.models.backbones.l2vit import LGABlock
     from mmplugin_l2.models.backbones.rest import ResTBlock
     from mmplugin_l2.models.layers import mlp as mlp_layer
-    for blk, checkpoint, ran in ((LGABlock(8, 2), True, 'recomputed_branch'),
-                                 (ResTBlock(8, 2, 1), False, 'norm_mlp_train')):
+    from mmplugin_l2.models.ops.dispatch import recomputed_region
+    for blk, checkpoint, region, ran in ((LGABlock(8, 2), True, contextlib.nullcontext, ['norm_mlp_train']),
+                                         (LGABlock(8, 2), True, recomputed_region, []),
+                                         (ResTBlock(8, 2, 1), False, contextlib.nullcontext, ['norm_mlp_train']),
+                                         (ResTBlock(8, 2, 1), False, recomputed_region, ['norm_mlp_train'])):
         blk = _random_(blk).float().train()
         set_memory_policy(blk, dict(max_elems=4 * 8))
         x = torch.randn(2, 40, 8).to(dtype).requires_grad_()
-        with pytest.MonkeyPatch.context() as mp, torch.autocast('cpu', dtype=dtype):
+        with pytest.MonkeyPatch.context() as mp, torch.autocast('cpu', dtype=dtype), region():
             calls = record_calls(mp, mlp_layer, recomputed_branch='recomputed_branch', norm_mlp_train='norm_mlp_train')
             y = norm_mlp_branch(blk, blk.norm2, blk.mlp, x, checkpoint=checkpoint)
             ref = blk.mlp(x.detach(), norm=blk.norm2)
-        assert calls.names == [ran], (type(blk).__name__, calls.names)
+        assert calls.names == ran, (type(blk).__name__, region.__name__, calls.names)
         assert y.dtype == dtype
         tol = 4 * torch.finfo(dtype).eps * ref.abs().max().item()
         torch.testing.assert_close(y.float(), ref.float(), rtol=0, atol=tol)
@@ -349,8 +400,8 @@ def test_norm_mlp_branch_other_activation_takes_the_reference():
 @pytest.mark.parametrize('train', [False, True])
 def test_layers_under_autocast(dtype, cls, train):
     """fp32 layers under CPU autocast, pieces forced (tiny max_elems): no dtype error, the dtype autocast
-    gives, the float32 reference's values to half precision; training with `fast_train` falls back to the
-    (recomputed) reference and its gradients are close too."""
+    gives, the float32 reference's values to half precision; training with `fast_train` runs Mlp's (recomputed)
+    reference and ConvMlp's train function on the whole map, and their gradients are close too."""
     torch.manual_seed(0)
     m = cls(C, R, fast_train=True).float()
     set_memory_policy(m, dict(max_elems=2 * C))
@@ -363,7 +414,7 @@ def test_layers_under_autocast(dtype, cls, train):
     assert y.dtype == dtype
     torch.testing.assert_close(y.float(), ref, rtol=0.05, atol=0.05)
     if train:
-        assert 'Function' not in _grad_fn(y)
+        assert _grad_fn(y) == ('ConvMlpFunctionBackward' if cls is ConvMlp else 'ViewBackward0'), _grad_fn(y)
         g_fast = torch.autograd.grad(y.float().sum(), [x] + list(m.parameters()))
         g_ref = torch.autograd.grad(ref.sum(), [x] + list(m.parameters()))
         for a, b in zip(g_fast, g_ref):

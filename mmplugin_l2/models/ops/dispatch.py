@@ -68,7 +68,10 @@ class Fast(NamedTuple):
     e.g. where the pieces' partial sums would be rounded to that dtype one by one, less accurate than the
     reference's one product). compute_dtypes: the dtypes the path computes in (`compute_dtype_of`: the autocast
     dtype for an fp32 input under autocast, else the input's) that it runs for (None: any), e.g. a path faster
-    than the reference only in bf16.
+    than the reference only in bf16. half_recomputed: where it computes in half precision, the path also runs inside
+    a recomputed region (`recomputing()`: a `with_cp` block; False: the reference there, whose saved tensors live
+    only while the region's backward runs, where a path that recomputes in its own backward would run its forward
+    a third time).
     """
     half: Union[bool, str] = True
     autocast: bool = True
@@ -82,6 +85,7 @@ class Fast(NamedTuple):
     channels_last: bool = False
     half_pieces: bool = True
     compute_dtypes: Optional[tuple] = None
+    half_recomputed: bool = True
 
 
 class Supports(NamedTuple):
@@ -174,6 +178,8 @@ def _takes(fast, x, modules, acts):
     if fast.channels_last and not (x.dim() == 4 and channels_last(x)):
         return False
     if fast.compute_dtypes is not None and compute_dtype_of(x) not in fast.compute_dtypes:
+        return False
+    if not fast.half_recomputed and recomputing() and compute_dtype_of(x) in HALF_DTYPES:
         return False
     return fast.act is None or all(fast.act(a) for a in acts)
 

@@ -36,3 +36,15 @@ def compute_dtype_of(x):
     (autocast casts only fp32 arguments), else `x`'s own."""
     dev = x.device.type
     return torch.get_autocast_dtype(dev) if x.dtype == torch.float32 and autocast_on(dev) else x.dtype
+
+
+def autocast_state(device_type):
+    """The autocast state on `device_type` as `autocast_as` re-enters it: (device type, autocast dtype or None)."""
+    return device_type, (torch.get_autocast_dtype(device_type) if autocast_on(device_type) else None)
+
+
+def autocast_as(state):
+    """Autocast on its device as `autocast_state` recorded it (on in that dtype, or off): a custom autograd
+    Function's backward runs under its forward's state, as autograd runs the reference's backward ops."""
+    device_type, dtype = state
+    return torch.autocast(device_type, dtype=dtype) if dtype is not None else autocast_off(device_type)

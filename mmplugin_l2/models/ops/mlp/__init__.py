@@ -5,9 +5,10 @@ functions, exact GELU). `mlp` and `conv_mlp` run the implementation the `Path` o
 `norm_mlp_train` is the pre-norm MLP branch's training function.
 
 Every fast path needs the exact GELU; the train functions also no active dropout (its masks need checkpointing's
-RNG replay), the ConvMlp functions also fp32 / fp64 tensors and no autocast (`NormMlpFunction` runs under it and
-on half tokens as the reference does: LayerNorm statistics in fp32, products in the half dtype; whole maps).
-Outside that, training checkpoints the reference (recomputed in backward, RNG state preserved).
+RNG replay). Under autocast the train functions compute what the reference computes there, on whole maps
+(`NormMlpFunction`: LayerNorm statistics in fp32, products in the half dtype; `ConvMlpFunction`: everything in the
+autocast dtype, outside recomputed blocks only). Outside that, training checkpoints the reference (recomputed in
+backward, RNG state preserved).
 """
 import torch.nn as nn
 
@@ -33,23 +34,26 @@ def exact_gelu(act):
 _TRAIN_FUNCTION = Fast(half=False, autocast=False, dropout=False, act=exact_gelu, input_grad=True)
 #: Mlp: inference in pieces / in place; training checkpoints the reference
 MLP = Supports(inference=Fast(act=exact_gelu), train=None, checkpoint=True, traced=(CHECKPOINT,))
-#: ConvMlp: inference in pieces / in place; training `ConvMlpFunction` / `ConvMlpPiecesFunction` in fp32 / fp64, else
-#: checkpointed (under bf16 autocast a whole-step A/B measured the function no faster and its kept fc1 outputs
-#: larger than the checkpoint's, docs/mixed_precision.md)
-CONV_MLP = Supports(inference=Fast(act=exact_gelu), train=_TRAIN_FUNCTION, checkpoint=True,
-                    traced=(TRAIN, CHECKPOINT))
+#: ConvMlp: inference in pieces / in place; training `ConvMlpFunction` / `ConvMlpPiecesFunction` in fp32 / fp64, and
+#: `ConvMlpFunction` under autocast (whole maps: a piece's parameter-gradient partials would be rounded to the half
+#: dtype one by one; keeping the fc1 output, which measured faster than recomputing the branch, within Swin-T's
+#: training memory, docs/mixed_precision.md) except inside recomputed blocks (the reference there); else checkpointed
+CONV_MLP = Supports(inference=Fast(act=exact_gelu),
+                    train=_TRAIN_FUNCTION._replace(half='autocast', autocast=True, half_pieces=False,
+                                                   half_recomputed=False),
+                    checkpoint=True, traced=(TRAIN, CHECKPOINT))
 #: a recomputing block's pre-norm MLP branch (affine LayerNorm, `Mlp`; L2ViT): training `NormMlpFunction`, under
-#: autocast on whole maps (its pieces' weight gradients would be sums of products rounded to the half dtype); on
-#: half tokens (the residual stream after a conv stem under autocast) checkpointed instead: as fast in bf16, and
-#: it keeps only the branch input where the function also keeps the fc1 output
-NORM_MLP = Supports(inference=None, train=_TRAIN_FUNCTION._replace(input_grad=False, autocast=True,
-                                                                   half_pieces=False), checkpoint=True,
-                    traced=(TRAIN, CHECKPOINT))
-#: the branch of a block that does not recompute (ResT): `NormMlpFunction` also on half tokens under autocast (it
-#: keeps x and the fc1 output where the reference keeps the LayerNorm output, the fc1 output and its GELU), else
-#: the reference
-NORM_MLP_UNCHECKPOINTED = Supports(inference=None, train=NORM_MLP.train._replace(half='autocast'), checkpoint=False,
-                                   traced=(TRAIN,))
+#: autocast on whole maps (its pieces' weight gradients would be sums of products rounded to the half dtype), also on
+#: half tokens (the residual stream after a conv stem under autocast; keeping the fc1 output, which measured faster
+#: than recomputing the branch, within Swin-T's training memory, docs/mixed_precision.md), except inside recomputed
+#: blocks (the reference there); else checkpointed
+NORM_MLP = Supports(inference=None, train=_TRAIN_FUNCTION._replace(input_grad=False, autocast=True, half='autocast',
+                                                                   half_pieces=False, half_recomputed=False),
+                    checkpoint=True, traced=(TRAIN, CHECKPOINT))
+#: the branch of a block that does not recompute (ResT): `NormMlpFunction` (it keeps x and the fc1 output where the
+#: reference keeps the LayerNorm output, the fc1 output and its GELU), else the reference
+NORM_MLP_UNCHECKPOINTED = Supports(inference=None, train=NORM_MLP.train._replace(half_recomputed=True),
+                                   checkpoint=False, traced=(TRAIN,))
 
 
 def mlp(path, x, fc1, fc2, act, drop, norm=None):

@@ -7,13 +7,16 @@ functions, autocast).
   the autocast dtype where the residual stream already is in it) with fp32 statistics, the products, the GELU
   and the output in the autocast dtype (the weights cast once); the parameter gradients are accumulated in
   fp32.
-* `ConvMlpFunction`: ConvMlp's chain, keeping x (and the fc1 output with `keep_fc1`).
+* `ConvMlpFunction`: ConvMlp's chain, keeping x (and the fc1 output with `keep_fc1`). Under autocast its backward
+  runs under the forward's autocast state: every product, convolution and GELU in the dtype the reference's
+  backward runs it in (the autocast dtype), the parameter gradients cast to the parameters' dtype as the
+  reference's casts are.
 * `ConvMlpPiecesFunction`: the same in pieces of rows with one halo row each side.
 """
 import torch
 import torch.nn.functional as F
 
-from ..dtypes import autocast_off, autocast_on, compute_dtype
+from ..dtypes import autocast_as, autocast_off, autocast_on, autocast_state, compute_dtype
 from ..split import split
 from ..tokens import map_to_tokens, tokens_to_map
 from .pieces import linear_into as _linear_into
@@ -119,12 +122,17 @@ class ConvMlpFunction(torch.autograd.Function):
     def forward(ctx, x, hw_shape, keep_fc1, w1, b1, wc, bc, w2, b2):
         h = F.linear(x, w1, b1)
         s = _conv_residual(F.gelu(h), hw_shape, wc, bc)
-        ctx.hw_shape = hw_shape
+        ctx.hw_shape, ctx.autocast = hw_shape, autocast_state(x.device.type)
         ctx.save_for_backward(x, h if keep_fc1 else None, w1, b1, wc, bc, w2, b2)
         return F.linear(F.gelu(s), w2, b2)
 
     @staticmethod
     def backward(ctx, grad):
+        with autocast_as(ctx.autocast):
+            return ConvMlpFunction._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad):
         x, h, w1, b1, wc, bc, w2, b2 = ctx.saved_tensors
         need = ctx.needs_input_grad
         if h is None:
@@ -139,7 +147,7 @@ class ConvMlpFunction(torch.autograd.Function):
         del s
         du, dwc, dbc = torch.ops.aten.convolution_backward(
             tokens_to_map(ds, ctx.hw_shape), tokens_to_map(u, ctx.hw_shape),
-            wc.to(memory_format=torch.channels_last), [r] if bc is not None else None, [1, 1], [1, 1], [1, 1],
+            wc.to(u.dtype, memory_format=torch.channels_last), [r] if bc is not None else None, [1, 1], [1, 1], [1, 1],
             False, [0, 0], r, [True, need[5], bc is not None and need[6]])
         du = map_to_tokens(du).add_(ds)
         dh = torch.ops.aten.gelu_backward.grad_input(du, h, grad_input=du).reshape(-1, r)

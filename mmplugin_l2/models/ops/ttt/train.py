@@ -18,7 +18,7 @@ the forward's autocast state.
 import torch
 import torch.nn.functional as F
 
-from ..dtypes import autocast_off, autocast_on, compute_dtype
+from ..dtypes import autocast_as, autocast_state, compute_dtype
 from ..rope import rope_heads, rope_heads_backward
 from ..split import split
 from .pieces import ttt_core_pieces
@@ -202,9 +202,7 @@ class TTTCore(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, piece=None, closed_form=True):
-        dev = qkv.device.type
-        on = autocast_on(dev)
-        ctx.autocast = (dev, on, torch.get_autocast_dtype(dev) if on else None)
+        ctx.autocast = autocast_state(qkv.device.type)
         ctx.args = (hw_shape, num_heads, scale, lr)
         ctx.piece, ctx.closed_form, ctx.rot = piece, closed_form, rot
         ctx.save_for_backward(qkv, w1, w2, w3)
@@ -215,8 +213,7 @@ class TTTCore(torch.autograd.Function):
         saved = ctx.saved_tensors
         needs = [ctx.needs_input_grad[i] for i in (0, 2, 3, 4)]
         none = (None,) * 6
-        dev, enabled, dtype = ctx.autocast
-        amp = torch.autocast(dev, enabled=True, dtype=dtype) if enabled else autocast_off(dev)
+        amp = autocast_as(ctx.autocast)
         if ctx.closed_form:
             with amp:
                 g = ttt_core_backward(grad_out, *saved[:1], ctx.rot, *saved[1:], *ctx.args, ctx.piece)
