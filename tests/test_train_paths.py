@@ -85,12 +85,12 @@ REFERENCE_BY_DESIGN = {
 # addmm: the projections and their backward), `bmm`, `conv` (convolution), `conv_backward`, `sdpa` (the
 # attention kernel), `sdpa_backward`.
 LINEARS = {'fwd linear': 'P', 'bwd linear': 'P'}
-TTT_BF16 = {  # the compiled core (eager under the profile's dispatch mode: the reference's ops) under its checkpoint:
-    # the reference's products in bf16 (bf16 has fp32's range: token sums too), the conv head's inner gradient (tap
-    # sums) in fp32, and the backward of the recomputed reference by autograd (the recomputation stops before the
-    # conv head's read-out, whose bf16 product runs once, in forward)
+TTT_BF16 = {  # the compiled core (eager under the profile's dispatch mode: the reference's ops), not recomputed by a
+    # checkpoint (its compiled backward recomputes what its memory budget does not keep): the reference's products in
+    # bf16 (bf16 has fp32's range: token sums too), the conv head's inner gradient (tap sums) in fp32, and the
+    # backward by autograd
     **LINEARS, 'fwd bmm': 'P', 'fwd conv_backward': 'fp32', 'bwd bmm': 'P', 'bwd conv': 'fp32',
-    'bwd conv_backward': ('P', 'fp32')}
+    'bwd conv_backward': 'P'}
 TTT_FP16 = {  # the closed form: products in fp16, the token sums (k^T a, q^T dz, k^T dz) and tap sums in fp32, its
     # per-sample convolutions in fp16 (no autograd through the fp32 tap sums)
     **LINEARS, 'fwd bmm': ('P', 'fp32'), 'fwd conv_backward': 'fp32', 'bwd bmm': ('P', 'fp32'), 'bwd conv': 'P',

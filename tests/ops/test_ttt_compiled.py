@@ -2,6 +2,8 @@
 path `ops.ttt.TTT` declares inside `with_cp` blocks under bf16 autocast) against the naive form in float64 and
 under bf16 autocast, and its eager fallback where torch.compile fails. Apart from tests/ops/test_ttt.py so that
 pytest-xdist can run its compilations beside that file."""
+import functools
+
 import pytest
 import torch
 
@@ -26,29 +28,33 @@ def _projected(fn, rot, nh, hw=HW):
 
 @pytest.mark.parametrize('nh,d,with_rope,compiled', [(2, 4, True, 'compiled_swiglu_halves'),
                                                      (4, 3, True, 'compiled_swiglu_heads'),
-                                                     (2, 4, False, 'compiled_swiglu_heads')])
+                                                     (2, 4, False, 'compiled_swiglu_heads'),
+                                                     (2, 4, True, 'kept_swiglu_halves')])
 def test_compiled_core_matches_naive(nh, d, with_rope, compiled):
     """`compiled_ttt_core` (the SwiGLU heads compiled by inductor with dynamic shapes, the conv head eager) = the
     naive form in float64: values and the gradients of qkv, W1, W2 and w3; a second map size runs without an error
     (dynamic). With RoPE and even heads the halves order (`compiled_swiglu_halves`), with pairs across heads (head
     width 3) or without RoPE the reference's (`compiled_swiglu_heads`, RoPE's table as its real pair): one graph,
-    no graph break."""
+    no graph break. `kept_*`: the partition under the memory budget (`kept=True`, outside `with_cp` blocks)."""
     from torch._dynamo.utils import counters
     counters.clear()
+    kept = compiled.startswith('kept')
     for hw in (HW, (3, 6)):
         rot = _rot(nh * d, with_rope, hw)
-        assert_matches_naive(_projected(ttt_op.compiled_ttt_core, rot, nh, hw), _core(ttt_core_naive, rot, nh, hw),
+        core = functools.partial(ttt_op.compiled_ttt_core, kept=kept)
+        assert_matches_naive(_projected(core, rot, nh, hw), _core(ttt_core_naive, rot, nh, hw),
                              _core_inputs(nh=nh, d=d, hw=hw))
     used = getattr(ttt_op, compiled)
     assert used.failed is None and used._compiled is not None
     assert not counters['graph_break'], dict(counters['graph_break'])
 
 
-def test_compiled_core_under_bf16_autocast_no_worse_than_the_reference():
-    """Under bf16 autocast (where `TTT` declares the compiled path, inside `with_cp` blocks), on bf16 qkv tokens:
-    the compiled path (halves order) against the naive form in float64, output and every gradient, no worse than
-    the eager reference under the same autocast (L2 norm; the compiler fuses the elementwise chains and may keep a
-    product's fp32 result where eager rounds it)."""
+@pytest.mark.parametrize('kept', [False, True])
+def test_compiled_core_under_bf16_autocast_no_worse_than_the_reference(kept):
+    """Under bf16 autocast (where `TTT` declares the compiled path), on bf16 qkv tokens: the compiled path (halves
+    order; both partitions: `kept` under the memory budget) against the naive form in float64, output and every
+    gradient, no worse than the eager reference under the same autocast (L2 norm; the compiler fuses the elementwise
+    chains and may keep a product's fp32 result where eager rounds it)."""
     nh, d, b, dtype = 2, 4, 2, torch.bfloat16
     rot = _rot(nh * d, True)
     rot32 = rot.to(torch.complex64)
@@ -57,7 +63,8 @@ def test_compiled_core_under_bf16_autocast_no_worse_than_the_reference():
                           .requires_grad_(), dtype)]
     inputs += [(torch.randn(*s, generator=g, dtype=torch.float64) * .3).requires_grad_()
                for s in ((1, nh, d, d), (1, nh, d, d), (d, 1, 3, 3))]
-    e_fast, _ = assert_autocast_no_worse(cast_inputs(_projected(ttt_op.compiled_ttt_core, rot32, nh), dtype),
+    core = functools.partial(ttt_op.compiled_ttt_core, kept=kept)
+    e_fast, _ = assert_autocast_no_worse(cast_inputs(_projected(core, rot32, nh), dtype),
                                          cast_inputs(_core(ttt_core, rot32, nh), dtype),
                                          _core(ttt_core_naive, rot, nh), inputs, dtype, norm='l2')
     assert max(e_fast) < 5e-2, e_fast
@@ -96,6 +103,31 @@ def test_compiled_core_specialises_on_the_width_only(monkeypatch):
         assert all(type(table[i]) is int for i in (0, 2, 3)), table
         weights = [s for s in shapes if s is not table and len(s) == 4]
         assert len(weights) == 2 and all(type(s) is int for t in weights for s in t), shapes
+
+
+def test_memory_budget_partitions_apart():
+    """`Compiled(memory_budget=...)` of a function another `Compiled` already compiled with the default partition is
+    compiled apart (its own code object: torch.compile's cache is per code object) under AOTAutograd's activation
+    memory budget: with budget 0 it keeps only what backward cannot recompute (the inputs), less than the default
+    partition keeps; same values and gradients."""
+    from conftest import nbytes, saved_for_backward
+    from mmplugin_l2.models.ops.compiled import Compiled
+
+    def fn(x, w):
+        return ((x @ w).sin() @ w).cos()
+    g = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(n, 32, generator=g).requires_grad_() for n in (64, 32))
+    results = []
+    for budget in (None, 0.0):
+        c = Compiled(fn, 'test fn', memory_budget=budget)
+        y, saved = saved_for_backward(lambda: c(x, w))
+        results.append((y, torch.autograd.grad(y.sum(), [x, w]), nbytes(saved)))
+        assert c.failed is None and c._compiled is not None
+    (y0, g0, kept0), (y1, g1, kept1) = results
+    assert kept1 < kept0 and kept1 <= nbytes([x, w]), (kept0, kept1)
+    torch.testing.assert_close(y1, y0)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b)
 
 
 def test_compile_failure_warns_once_and_runs_eager(monkeypatch):
@@ -156,16 +188,18 @@ def test_compiled_inside_a_recomputation_lets_the_checkpoint_stop_it(monkeypatch
 @pytest.mark.parametrize('with_cp', [False, True])
 def test_compiled_path_recomputes_its_core_once_in_backward(with_cp, monkeypatch):
     """Under bf16 autocast on CPU a training TTT layer takes the compiled path with or without `with_cp`: without,
-    it keeps the qkv tokens and its own checkpoint recomputes the core in backward (the memory of the checkpoint
-    path); inside a recomputed block the block's recomputation does (no second checkpoint): either way the core
-    runs twice per step, never three times, and the gradients equal those of the layer's reference run without
-    any recomputation. The compiled core is replaced by a counting eager one (the compiler is tested above)."""
+    the core runs once, partitioned under its memory budget (`kept`: what its compiled backward recomputes is its
+    own affair, no checkpoint around it); inside a recomputed block the default partition, recomputed by the block's
+    recomputation (no second checkpoint): the core runs twice there, never three times, and the gradients equal
+    those of the layer's reference run without any recomputation. The compiled core is replaced by a counting eager
+    one (the compiler is tested above)."""
     import mmplugin_l2.models.layers.ttt as ttt_layer
     from mmplugin_l2.models.layers import TTTAttention
     from mmplugin_l2.models.ops import COMPILED, Path
     from mmplugin_l2.models.ops.checkpoint import checkpointed
     calls, paths, choose = [], [], ttt_layer.choose
-    monkeypatch.setattr(ttt_op, 'compiled_core_tokens', lambda t, *a: calls.append(1) or ttt_core(t, *a))
+    monkeypatch.setattr(ttt_op, 'compiled_core_tokens',
+                        lambda t, *a, kept=False: calls.append(kept) or ttt_core(t, *a))
     monkeypatch.setattr(ttt_layer, 'choose', lambda *a, **k: paths.append(choose(*a, **k)) or paths[-1])
     torch.manual_seed(0)
     layer = TTTAttention(8, 2).train()
@@ -180,6 +214,7 @@ def test_compiled_path_recomputes_its_core_once_in_backward(with_cp, monkeypatch
             y = checkpointed(lambda t: layer(t, (3, 4)), x) if with_cp and run == 'compiled' else layer(x, (3, 4))
         y.float().pow(2).sum().backward()
         grads.append([x.grad] + [p.grad for p in layer.parameters()])
-    assert [p.impl for p in paths] == [COMPILED] * (1 + with_cp) and len(calls) == 2, (paths, len(calls))
+    assert [p.impl for p in paths] == [COMPILED] * (1 + with_cp), paths
+    assert calls == ([False, False] if with_cp else [True]), calls
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

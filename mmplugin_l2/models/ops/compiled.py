@@ -12,11 +12,16 @@ error of `fn` itself (a wrong input) is raised as `fn` raises it. `prepare` (opt
 eagerly before every call, compiled or not, into a form that compiles without graph breaks or unsupported kernels
 (e.g. `rope.real_table`: inductor has no complex kernels); `fn` must compute the same function on either form.
 
-The compiled form keeps what autograd through the reference keeps, so an op runs it recomputed in backward: under its
-own checkpoint, or plainly inside a recomputed region (a block under `with_cp`), where those tensors live only while
-that region's backward runs (`Supports.compiled`, `Fast` as for the other paths, and the module's `fast_compile`
-switch; `ops.dispatch.choose` decides).
+The compiled form keeps what autograd through the reference keeps (the compiler's default partition of forward and
+backward), so an op runs it recomputed in backward: under its own checkpoint, or plainly inside a recomputed region (a
+block under `with_cp`), where those tensors live only while that region's backward runs (`Supports.compiled`, `Fast`
+as for the other paths, and the module's `fast_compile` switch; `ops.dispatch.choose` decides). With `memory_budget`
+the compiler partitions under AOTAutograd's activation memory budget instead (`activation_memory_budget`: the
+fraction of the default partition's saved bytes it may keep): it keeps what is cheap to keep and recomputes the rest
+inside the compiled backward, fused, where a checkpoint would run the whole compiled forward again.
 """
+import contextlib
+import types
 import warnings
 
 import torch
@@ -38,11 +43,26 @@ def static_sizes(t, dims=None):
     return t
 
 
-class Compiled:
-    """`fn` compiled on first use (see the module docstring); call it as `fn`."""
+def _budget(memory_budget):
+    """The compile context of `Compiled`'s memory budget (nothing for None, or on a torch without the setting)."""
+    config = getattr(getattr(torch, '_functorch', None), 'config', None)
+    if memory_budget is None or not hasattr(config, 'activation_memory_budget'):
+        return contextlib.nullcontext()
+    return config.patch(activation_memory_budget=memory_budget)
 
-    def __init__(self, fn, name, prepare=None):
-        self.fn, self.name, self.prepare = fn, name, prepare
+
+def _own_code(fn):
+    """`fn` with a code object of its own: torch.compile caches compiled code per code object, so a second
+    `Compiled` of the same function under another partition must not find the first one's."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+class Compiled:
+    """`fn` compiled on first use (see the module docstring); call it as `fn`. `memory_budget` (float | None):
+    AOTAutograd's activation memory budget for its forward / backward partition (None: the default partition)."""
+
+    def __init__(self, fn, name, prepare=None, memory_budget=None):
+        self.fn, self.name, self.prepare, self.memory_budget = fn, name, prepare, memory_budget
         self._compiled, self.failed = None, None
 
     def __call__(self, *args):
@@ -53,8 +73,10 @@ class Compiled:
         if self.failed is None:
             try:
                 if self._compiled is None:
-                    self._compiled = torch.compile(self.fn, dynamic=True)
-                return self._compiled(*args)
+                    fn = self.fn if self.memory_budget is None else _own_code(self.fn)
+                    self._compiled = torch.compile(fn, dynamic=True)
+                with _budget(self.memory_budget):
+                    return self._compiled(*args)
             except _CONTROL_FLOW:
                 raise
             except Exception as e:  # noqa: BLE001 (any failure of the compiler: the eager function runs instead)

@@ -6,17 +6,19 @@ pieces of tokens), `compiled` (`compiled_ttt_core`: the SwiGLU heads compiled by
 support."""
 import torch
 
-from ..dispatch import CHECKPOINT, COMPILED, INFERENCE, TRAIN, Fast, Supports
+from ..dispatch import CHECKPOINT, COMPILED, INFERENCE, TRAIN, Fast, Supports, recomputing
+from ..export import compiling
 from ..checkpoint import checkpointed
 from .compiled import (compiled_core_tokens, compiled_qkv_tokens, compiled_swiglu_halves, compiled_swiglu_heads,
-                       compiled_ttt_core)
+                       compiled_ttt_core, kept_swiglu_halves, kept_swiglu_heads)
 from .pieces import proj_input, ttt_core_pieces, ttt_inference
 from .reference import (conv_head_tokens, dwconv_inner_grad, dwconv_per_sample, join_heads, normalize_inner_grad,
                         swiglu_heads, swiglu_inner_grads, tap_sums, ttt_core)
 from .train import TTTCore, ttt_core_backward
 
 __all__ = ['TTT', 'TTTCore', 'compiled_swiglu_halves', 'compiled_swiglu_heads', 'compiled_ttt_core', 'conv_head_tokens',
-           'dwconv_inner_grad', 'dwconv_per_sample', 'join_heads', 'normalize_inner_grad', 'proj_input', 'swiglu_heads',
+           'dwconv_inner_grad', 'dwconv_per_sample', 'join_heads', 'kept_swiglu_halves', 'kept_swiglu_heads',
+           'normalize_inner_grad', 'proj_input', 'swiglu_heads',
            'swiglu_inner_grads', 'tap_sums', 'ttt_attention', 'ttt_core', 'ttt_core_backward', 'ttt_core_pieces',
            'ttt_inference']
 
@@ -25,9 +27,10 @@ __all__ = ['TTT', 'TTTCore', 'compiled_swiglu_halves', 'compiled_swiglu_heads', 
 #: autocast and with half weights the checkpoint path (`TTTCore` recomputing by autograd): in bf16 the closed form
 #: measured no faster on CPU, and its pieces' bf16-rounded token sums make the weight gradients no more accurate.
 #: Under bf16 autocast on CPU, the compiled path (`compiled.compiled_core_tokens`: the SwiGLU heads' forward and
-#: backward fused by inductor) instead of the checkpoint: the qkv tokens kept and the compiled core recomputed in
-#: backward by its own checkpoint (the checkpoint path's memory), or inside a `with_cp` block by the block's
-#: recomputation (then no checkpoint of its own); measured faster than the eager paths there. Under a whole-model
+#: backward fused by inductor) instead of the checkpoint: the compiled core partitioned under a memory budget (what
+#: is cheap to keep kept, the rest recomputed inside its compiled backward; `compiled.KEPT_BUDGET`), or inside a
+#: `with_cp` block recomputed by the block's recomputation (no checkpoint of its own); measured faster than the eager
+#: paths there. Under a whole-model
 #: torch.compile in training (any device and dtype, `fast_compile` on) the compiled path's form, compiled by it
 TTT = Supports(inference=Fast(), train=Fast(half='autocast', compute_dtypes=(torch.float16, torch.float32,
                                                                              torch.float64)), checkpoint=True,
@@ -52,8 +55,9 @@ def ttt_attention(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr,
         path (Path): from `ops.dispatch.choose` with `TTT` (pieces in elements of (B, tokens, C)): 'inference'
             runs `ttt_inference` (qkv and proj inside, piece by piece), 'train' `TTTCore` with the closed-form
             backward, 'checkpoint' `TTTCore` recomputing by autograd, 'compiled' the qkv tokens
-            (`compiled_qkv_tokens`) and `compiled_core_tokens` on them under `ops.checkpoint.checkpointed` (recomputed
-            in backward; inside a recomputed region plainly), else the reference.
+            (`compiled_qkv_tokens`) and `compiled_core_tokens` on them: under its memory budget (`kept`), or inside a
+            recomputed region and under a whole-model torch.compile under `ops.checkpoint.checkpointed` (there the
+            region recomputes it, or the enclosing compile decides), else the reference.
 
     Returns:
         Tensor: (B, N, C).
@@ -62,7 +66,11 @@ def ttt_attention(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr,
         return ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, path.piece)
     if path.impl == COMPILED:
         tokens = compiled_qkv_tokens(x, qkv, rot, num_heads, w1.shape[-1])
-        y = checkpointed(lambda t: compiled_core_tokens(t, rot, w1, w2, w3, hw_shape, num_heads, scale, lr), tokens)
+        if compiling() or recomputing():
+            y = checkpointed(lambda t: compiled_core_tokens(t, rot, w1, w2, w3, hw_shape, num_heads, scale, lr),
+                             tokens)
+        else:
+            y = compiled_core_tokens(tokens, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, kept=True)
         return proj(proj_input(y, proj))
     args = (qkv(x), rot, w1, w2, w3, hw_shape, num_heads, scale, lr)
     if path.impl in (TRAIN, CHECKPOINT):

@@ -59,13 +59,25 @@ def _widths_static(qkv, table, w1, w2, *rest):
     return (qkv, table, w1, w2, *rest)
 
 
-#: `swiglu_heads_halves` compiled by inductor on first use (`ops.compiled.Compiled`), once per layer width
-compiled_swiglu_halves = Compiled(swiglu_heads_halves, "the TTT core's SwiGLU heads (ops.ttt.compiled)",
-                                  prepare=_widths_static)
+def _real_widths_static(qkv, rot, *rest):
+    """`_widths_static` with the RoPE table as its real (cos, sin) pair (inductor has no complex kernels)."""
+    return _widths_static(qkv, real_table(rot), *rest)
+
+
+#: AOTAutograd's activation memory budget of the compiled core where it is not recomputed by a checkpoint (outside
+#: `with_cp` blocks): it keeps about a third of what the default partition keeps and recomputes the rest inside the
+#: compiled backward (docs/mixed_precision.md)
+KEPT_BUDGET = 0.1
+_HALVES = "the TTT core's SwiGLU heads (ops.ttt.compiled)"
+_HEADS = "the TTT core's SwiGLU heads (ops.ttt.reference.swiglu_heads)"
+#: `swiglu_heads_halves` compiled by inductor on first use (`ops.compiled.Compiled`), once per layer width: the
+#: default partition (recomputed in backward by a checkpoint), and under `KEPT_BUDGET` (not recomputed)
+compiled_swiglu_halves = Compiled(swiglu_heads_halves, _HALVES, prepare=_widths_static)
+kept_swiglu_halves = Compiled(swiglu_heads_halves, _HALVES, prepare=_widths_static, memory_budget=KEPT_BUDGET)
 #: `reference.swiglu_heads` compiled likewise, for heads without RoPE or with pairs across heads; the RoPE table
-#: reaches it as its real (cos, sin) pair (inductor has no complex kernels)
-compiled_swiglu_heads = Compiled(swiglu_heads, "the TTT core's SwiGLU heads (ops.ttt.reference.swiglu_heads)",
-                                 prepare=lambda qkv, rot, *rest: _widths_static(qkv, real_table(rot), *rest))
+#: reaches it as its real (cos, sin) pair
+compiled_swiglu_heads = Compiled(swiglu_heads, _HEADS, prepare=_real_widths_static)
+kept_swiglu_heads = Compiled(swiglu_heads, _HEADS, prepare=_real_widths_static, memory_budget=KEPT_BUDGET)
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,27 +102,31 @@ def compiled_qkv_tokens(x, qkv, rot, num_heads, d):
     return F.linear(x, qkv.weight[order], None if qkv.bias is None else qkv.bias[order])
 
 
-def compiled_core_tokens(tokens, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
+def compiled_core_tokens(tokens, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, kept=False):
     """`reference.ttt_core` on the tokens of `compiled_qkv_tokens`: the SwiGLU heads compiled by inductor (in the
-    halves order where `halves_apply`), the conv head eager. (B, N, C + d)."""
+    halves order where `halves_apply`), the conv head eager. With `kept` the SwiGLU heads' partition under
+    `KEPT_BUDGET` (for a core no checkpoint recomputes), else the default one. (B, N, C + d)."""
     d = w1.shape[-1]
     if halves_apply(rot, d):
-        y1 = compiled_swiglu_halves(tokens, head_table(rot, num_heads), w1, w2, num_heads, scale, lr)
+        fn = kept_swiglu_halves if kept else compiled_swiglu_halves
+        y1 = fn(tokens, head_table(rot, num_heads), w1, w2, num_heads, scale, lr)
     else:
-        y1 = compiled_swiglu_heads(tokens, rot, w1, w2, num_heads, scale, lr)
+        fn = kept_swiglu_heads if kept else compiled_swiglu_heads
+        y1 = fn(tokens, rot, w1, w2, num_heads, scale, lr)
     return join_heads(y1, conv_head_tokens(tokens, w3, hw_shape, num_heads, scale, lr))
 
 
-def compiled_ttt_core(x, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr):
+def compiled_ttt_core(x, qkv, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, kept=False):
     """`reference.ttt_core(qkv(x), ...)`: the qkv projection (`compiled_qkv_tokens`), then `compiled_core_tokens`.
 
     Args:
         x (Tensor): tokens (B, N, C).
         qkv (nn.Linear): C -> 3C + 3d, the layer's projection.
         rot, w1, w2, w3, hw_shape, num_heads, scale, lr: as `reference.ttt_core`.
+        kept (bool): the partition under `KEPT_BUDGET` (as `compiled_core_tokens`). Default: False.
 
     Returns:
         Tensor: (B, N, C + d), as `reference.ttt_core(qkv(x), ...)`.
     """
     tokens = compiled_qkv_tokens(x, qkv, rot, num_heads, w1.shape[-1])
-    return compiled_core_tokens(tokens, rot, w1, w2, w3, hw_shape, num_heads, scale, lr)
+    return compiled_core_tokens(tokens, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, kept)
