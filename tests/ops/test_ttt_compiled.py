@@ -163,6 +163,26 @@ def test_compile_failure_warns_once_and_runs_eager(monkeypatch):
             Compiled(wrong, 'f')(torch.zeros(1))
 
 
+def test_kept_partition_that_failed_to_compile_falls_back_to_the_checkpoint(monkeypatch):
+    """Where the kept partition could not compile (`Compiled.failed`), its eager fallback would keep all that autograd
+    keeps: the layer then recomputes the core under its checkpoint (the default partition, run twice per step)."""
+    import mmplugin_l2.models.ops.ttt.compiled as ttt_compiled
+    from mmplugin_l2.models.layers import TTTAttention
+    calls = []
+    monkeypatch.setattr(ttt_op, 'compiled_core_tokens',
+                        lambda t, *a, kept=False: calls.append(kept) or ttt_core(t, *a))
+    layer = TTTAttention(8, 2).train()
+    x = torch.randn(2, 12, 8, requires_grad=True)
+    for failed, want in ((None, [True]), ('RuntimeError: no C++ compiler', [False, False])):
+        for c in (ttt_compiled.kept_swiglu_halves, ttt_compiled.kept_swiglu_heads):
+            monkeypatch.setattr(c, 'failed', failed)
+        calls.clear()
+        with torch.autocast('cpu', torch.bfloat16):
+            y = layer(x, (3, 4))
+        y.float().sum().backward()
+        assert calls == want, (failed, calls)
+
+
 def test_compiled_inside_a_recomputation_lets_the_checkpoint_stop_it(monkeypatch):
     """torch.utils.checkpoint (non-reentrant) stops a recomputation in backward by raising from inside the
     recomputed code once it has every tensor it needs: where that happens inside a `Compiled` function (the last op

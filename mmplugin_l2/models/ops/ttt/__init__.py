@@ -10,7 +10,7 @@ from ..dispatch import CHECKPOINT, COMPILED, INFERENCE, TRAIN, Fast, Supports, r
 from ..export import compiling
 from ..checkpoint import checkpointed
 from .compiled import (compiled_core_tokens, compiled_qkv_tokens, compiled_swiglu_halves, compiled_swiglu_heads,
-                       compiled_ttt_core, kept_swiglu_halves, kept_swiglu_heads)
+                       compiled_ttt_core, kept_failed, kept_swiglu_halves, kept_swiglu_heads)
 from .pieces import proj_input, ttt_core_pieces, ttt_inference
 from .reference import (conv_head_tokens, dwconv_inner_grad, dwconv_per_sample, join_heads, normalize_inner_grad,
                         swiglu_heads, swiglu_inner_grads, tap_sums, ttt_core)
@@ -56,8 +56,9 @@ def ttt_attention(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr,
             runs `ttt_inference` (qkv and proj inside, piece by piece), 'train' `TTTCore` with the closed-form
             backward, 'checkpoint' `TTTCore` recomputing by autograd, 'compiled' the qkv tokens
             (`compiled_qkv_tokens`) and `compiled_core_tokens` on them: under its memory budget (`kept`), or inside a
-            recomputed region and under a whole-model torch.compile under `ops.checkpoint.checkpointed` (there the
-            region recomputes it, or the enclosing compile decides), else the reference.
+            recomputed region, under a whole-model torch.compile and where the kept partition could not compile
+            (`kept_failed`) under `ops.checkpoint.checkpointed` (there the region recomputes it, or the enclosing
+            compile decides), else the reference.
 
     Returns:
         Tensor: (B, N, C).
@@ -66,7 +67,7 @@ def ttt_attention(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr,
         return ttt_inference(x, qkv, proj, rot, w1, w2, w3, hw_shape, num_heads, scale, lr, path.piece)
     if path.impl == COMPILED:
         tokens = compiled_qkv_tokens(x, qkv, rot, num_heads, w1.shape[-1])
-        if compiling() or recomputing():
+        if compiling() or recomputing() or kept_failed(rot, w1.shape[-1]):
             y = checkpointed(lambda t: compiled_core_tokens(t, rot, w1, w2, w3, hw_shape, num_heads, scale, lr),
                              tokens)
         else:

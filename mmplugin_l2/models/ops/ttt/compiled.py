@@ -93,6 +93,13 @@ def halves_apply(rot, d):
     return torch.is_tensor(rot) and rot.is_complex() and d % 2 == 0
 
 
+def kept_failed(rot, d):
+    """Whether the kept partition (`KEPT_BUDGET`) of a layer with this RoPE table and head width d could not compile:
+    its eager fallback would keep all that autograd through the reference keeps, so the layer takes the checkpointed
+    default partition instead."""
+    return (kept_swiglu_halves if halves_apply(rot, d) else kept_swiglu_heads).failed is not None
+
+
 def compiled_qkv_tokens(x, qkv, rot, num_heads, d):
     """The qkv projection's tokens (B, N, 3C + 3d) as the compiled core takes them: q1 and k1 in `rope.halves_order`
     where `halves_apply`, else in the reference's order (the arguments of `compiled_ttt_core`; d the head width)."""
