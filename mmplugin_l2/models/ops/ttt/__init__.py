@@ -18,9 +18,8 @@ from .train import TTTCore, ttt_core_backward
 
 __all__ = ['TTT', 'TTTCore', 'compiled_swiglu_halves', 'compiled_swiglu_heads', 'compiled_ttt_core', 'conv_head_tokens',
            'dwconv_inner_grad', 'dwconv_per_sample', 'join_heads', 'kept_swiglu_halves', 'kept_swiglu_heads',
-           'normalize_inner_grad', 'proj_input', 'swiglu_heads',
-           'swiglu_inner_grads', 'tap_sums', 'ttt_attention', 'ttt_core', 'ttt_core_backward', 'ttt_core_pieces',
-           'ttt_inference']
+           'normalize_inner_grad', 'proj_input', 'swiglu_heads', 'swiglu_inner_grads', 'tap_sums', 'ttt_attention',
+           'ttt_core', 'ttt_core_backward', 'ttt_core_pieces', 'ttt_inference']
 
 #: inference in pieces / in place, any dtype; the closed-form backward in fp32 / fp64 and under fp16 autocast (its
 #: products in fp16, the token sums and the inner step in fp32: more accurate than the reference there); under bf16
@@ -30,8 +29,8 @@ __all__ = ['TTT', 'TTTCore', 'compiled_swiglu_halves', 'compiled_swiglu_heads', 
 #: backward fused by inductor) instead of the checkpoint: the compiled core partitioned under a memory budget (what
 #: is cheap to keep kept, the rest recomputed inside its compiled backward; `compiled.KEPT_BUDGET`), or inside a
 #: `with_cp` block recomputed by the block's recomputation (no checkpoint of its own); measured faster than the eager
-#: paths there. Under a whole-model
-#: torch.compile in training (any device and dtype, `fast_compile` on) the compiled path's form, compiled by it
+#: paths there. Under a whole-model torch.compile in training (any device and dtype, `fast_compile` on) the compiled
+#: path's form, compiled by it
 TTT = Supports(inference=Fast(), train=Fast(half='autocast', compute_dtypes=(torch.float16, torch.float32,
                                                                              torch.float64)), checkpoint=True,
                compiled=Fast(half='autocast', devices=('cpu',), compute_dtypes=(torch.bfloat16,)), traced=(COMPILED,))

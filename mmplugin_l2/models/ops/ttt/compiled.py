@@ -93,11 +93,19 @@ def halves_apply(rot, d):
     return torch.is_tensor(rot) and rot.is_complex() and d % 2 == 0
 
 
+def _swiglu_compiled(rot, d, kept):
+    """The compiled SwiGLU heads of a layer with this RoPE table and head width d: in the halves order where
+    `halves_apply`, else in the reference's; the partition under `KEPT_BUDGET` with `kept`, else the default one."""
+    if halves_apply(rot, d):
+        return kept_swiglu_halves if kept else compiled_swiglu_halves
+    return kept_swiglu_heads if kept else compiled_swiglu_heads
+
+
 def kept_failed(rot, d):
     """Whether the kept partition (`KEPT_BUDGET`) of a layer with this RoPE table and head width d could not compile:
     its eager fallback would keep all that autograd through the reference keeps, so the layer takes the checkpointed
     default partition instead."""
-    return (kept_swiglu_halves if halves_apply(rot, d) else kept_swiglu_heads).failed is not None
+    return _swiglu_compiled(rot, d, True).failed is not None
 
 
 def compiled_qkv_tokens(x, qkv, rot, num_heads, d):
@@ -114,12 +122,8 @@ def compiled_core_tokens(tokens, rot, w1, w2, w3, hw_shape, num_heads, scale, lr
     halves order where `halves_apply`), the conv head eager. With `kept` the SwiGLU heads' partition under
     `KEPT_BUDGET` (for a core no checkpoint recomputes), else the default one. (B, N, C + d)."""
     d = w1.shape[-1]
-    if halves_apply(rot, d):
-        fn = kept_swiglu_halves if kept else compiled_swiglu_halves
-        y1 = fn(tokens, head_table(rot, num_heads), w1, w2, num_heads, scale, lr)
-    else:
-        fn = kept_swiglu_heads if kept else compiled_swiglu_heads
-        y1 = fn(tokens, rot, w1, w2, num_heads, scale, lr)
+    table = head_table(rot, num_heads) if halves_apply(rot, d) else rot
+    y1 = _swiglu_compiled(rot, d, kept)(tokens, table, w1, w2, num_heads, scale, lr)
     return join_heads(y1, conv_head_tokens(tokens, w3, hw_shape, num_heads, scale, lr))
 
 
