@@ -406,8 +406,9 @@ def ratio(ours, theirs, higher_is_better=False):
 
 
 def memory_ratio(ours, theirs):
-    """ours / theirs of two (median, min, max) memory stats, with its range."""
-    if ours is None or theirs is None:
+    """ours / theirs of two (median, min, max) memory stats, with its range; None where theirs has a zero peak (a
+    tiny model's resident-set growth can be none: no ratio)."""
+    if ours is None or theirs is None or not all(theirs):
         return None
     return ours[0] / theirs[0], ours[1] / theirs[2], ours[2] / theirs[1]
 
