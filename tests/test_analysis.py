@@ -707,6 +707,56 @@ def test_roofline_layers_partition_the_model_and_account_for_its_macs():
     assert rl.layer_group('patch_embed', torch.nn.Linear(1, 1)) == '- / Linear'
 
 
+def test_peak_matmul_sizes_its_product_to_the_machine(monkeypatch):
+    """The peak's product grows from 256 while a product of the doubled size would take at most `call_s`: to 2048
+    where products are fast, only to 512 where a 256 product takes 20 ms (bf16 on a CPU without bf16 units); the
+    rate is that of the last size."""
+    from mmplugin_l2.analysis import roofline as rl
+    for per_256_s, want in ((1e-4, 2048), (0.02, 512), (1.0, 256)):
+        sizes = []
+
+        def fake(fn, device, warmup, iters, per_256_s=per_256_s):
+            m = fn().shape[0]       # the product really runs: its size is the one timed
+            sizes.append(m)
+            return [1e3 * per_256_s * (m / 256) ** 3] * iters
+        monkeypatch.setattr(rl, 'time_calls', fake)
+        rate = rl.peak_matmul(n=2048, iters=2, prec='fp32')
+        assert max(sizes) == sizes[-1] == want, (per_256_s, sizes)
+        assert rate == pytest.approx(256 ** 3 / per_256_s)
+    sizes.clear()
+    rl.peak_matmul(n=300, iters=1)      # never above n
+    assert max(sizes) == 256
+
+
+def test_half_precision_without_units_warns_once_and_the_benchmark_records_the_cpu(monkeypatch):
+    """A half precision on a CPU without units for it (oneDNN has no kernels: torch's scalar fallback) warns the first
+    time a process enters it; the benchmark's environment records the CPU's instruction set and units, and its
+    rendered head line names them."""
+    import warnings
+
+    import torch
+    from mmplugin_l2.analysis import benchmark as bm
+    from mmplugin_l2.analysis import measure
+    monkeypatch.setattr(measure, '_WARNED', set())
+    monkeypatch.setattr(torch.ops.mkldnn, '_is_mkldnn_bf16_supported', lambda: False)
+    assert measure.half_units('fp32', 'cpu') and not measure.half_units('bf16', 'cpu')
+    with pytest.warns(UserWarning, match='no bf16 units'):
+        with measure.precision('bf16', 'cpu'):
+            pass
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        with measure.precision('bf16', 'cpu'):
+            pass
+        with measure.precision('fp32', 'cpu'):
+            pass
+    env = bm.environment('cpu')
+    assert env['cpu_isa'] == torch.backends.cpu.get_cpu_capability() and 'bf16' not in env['cpu_half_units']
+    md = bm.render(dict(format=bm.FORMAT, env=dict(env, cpu='Some CPU'), config={}, samples=[]))
+    assert f'(Some CPU, {env["cpu_isa"]}, half-precision units: ' in md
+    assert 'half-precision units: none' in bm.render(
+        dict(format=bm.FORMAT, env=dict(env, cpu='X', cpu_half_units=[]), config={}, samples=[]))
+
+
 def test_roofline_times_a_layer_run_inside_another_once():
     """With pieces forced, L2ViT's pre-norms run inside the attention / MLP pieces (passed as `norm=`):
     their time is counted as the outer layer's, never twice, so the layers' seconds stay within the forward's."""

@@ -32,7 +32,8 @@ import time
 
 import torch
 
-from .measure import ALLOCATORS, PRECISIONS, allocator_env, emit, failure_line, measure_infer, run_fresh, train_steps
+from .measure import (ALLOCATORS, PRECISIONS, allocator_env, cpu_isa, emit, failure_line, half_units, measure_infer,
+                      run_fresh, train_steps)
 from .models import (AUTHORS_TAG, DETECTORS, MODELS, build, build_detector, check_name,  # noqa: F401 (the tools')
                      is_detector, is_ours, label, mmcv_ops_in_fp32)
 
@@ -295,6 +296,8 @@ def environment(device):
             env['cpu'] = next((ln.split(':', 1)[1].strip() for ln in f if ln.startswith('model name')), None)
     except OSError:
         env['cpu'] = None
+    env['cpu_isa'] = cpu_isa()
+    env['cpu_half_units'] = [p for p in ('bf16', 'fp16') if half_units(p, 'cpu')]
     if device.startswith('cuda'):
         env['gpu'] = torch.cuda.get_device_name(torch.device(device))
     try:
@@ -491,6 +494,10 @@ def render(results):
     for i, run_ in enumerate(runs):
         env, cfg = run_.get('env', {}), run_.get('config', {})
         dev = env.get('gpu') or env.get('cpu') or env.get('machine')
+        if not env.get('gpu') and env.get('cpu_isa'):
+            units = env.get('cpu_half_units')
+            dev += f', {env["cpu_isa"]}' + ('' if units is None else
+                                             f', half-precision units: {", ".join(units) or "none"}')
         lines += [f'Run{f" {i + 1}" if len(runs) > 1 else ""}: {env.get("date")}, commit `{env.get("commit")}`, '
                   f'{env.get("device")} ({dev}, torch threads: {env.get("threads")}), torch {env.get("torch")}, '
                   f'mmdet {env.get("mmdet")}, mmpretrain {env.get("mmpretrain")}; {cfg.get("rounds")} rounds, warm-up '

@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 
 import torch
 
@@ -186,11 +187,40 @@ class PeakMemory:
         return False
 
 
+def half_units(name, device):
+    """Whether precision `name`'s products run on units made for it: True for fp32 / tf32 and off the CPU; on a CPU
+    whether oneDNN has kernels for its half dtype there (bf16: AVX512-BF16 or AMX; fp16: AVX512-FP16 or AMX-FP16).
+    Without them torch runs bf16 / fp16 matrix products and convolutions in a scalar fallback, hundreds of times
+    slower than fp32: figures measured so describe that fallback, not a machine that trains in the half dtype."""
+    dtype = PRECISIONS[name][0]
+    if dtype is None or torch.device(device).type != 'cpu':
+        return True
+    check = (torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16
+             else torch.ops.mkldnn._is_mkldnn_fp16_supported)
+    return bool(check())
+
+
+def cpu_isa():
+    """The instruction set torch's CPU kernels were dispatched for here ('AVX2', 'AVX512', ...), or None."""
+    get = getattr(torch.backends.cpu, 'get_cpu_capability', None)
+    return get() if get is not None else None
+
+
+_WARNED = set()
+
+
 @contextlib.contextmanager
 def precision(name, device):
-    """Run the body in precision `name` (PRECISIONS) on `device`; TF32 settings restored after."""
+    """Run the body in precision `name` (PRECISIONS) on `device`; TF32 settings restored after. The first time
+    a process runs a half precision on a CPU without units for it (`half_units`), a warning says so."""
     if name not in PRECISIONS:
         raise ValueError(f'precision {name!r}; allowed: {", ".join(PRECISIONS)}')
+    if name not in _WARNED and not half_units(name, device):
+        _WARNED.add(name)
+        warnings.warn(f'{name} on this CPU ({cpu_isa()}): it has no {name} units, so torch runs {name} matrix '
+                      'products and convolutions in a scalar fallback, hundreds of times slower than fp32; '
+                      f'{name} timings here describe that fallback, not a machine that trains in {name}',
+                      stacklevel=3)
     dtype, tf32 = PRECISIONS[name]
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32

@@ -20,16 +20,26 @@ import torch.nn as nn
 from .measure import PRECISIONS, clock, precision, time_calls, train_steps
 
 
-def peak_matmul(n=2048, iters=5, device='cpu', prec='fp32'):
-    """Best of `iters` (n x n) @ (n x n) products after one warm-up in precision `prec` (measure.PRECISIONS: the
+def peak_matmul(n=2048, iters=5, device='cpu', prec='fp32', call_s=0.5):
+    """Best of `iters` (m x m) @ (m x m) products after a warm-up in precision `prec` (measure.PRECISIONS: the
     operands in fp32, or in bf16 / fp16 for those autocasts, so no cast is timed; 'tf32' with TF32 on):
-    multiply-adds per second."""
+    multiply-adds per second. The size m starts at min(n, 256) and doubles while the doubled size is at most n and
+    its product would take at most about `call_s` seconds (8x the last one's time, after a warm-up at each size):
+    2048 on a GPU or a CPU with bf16 / fp16 units, smaller where a product runs torch's scalar fallback (bf16 / fp16
+    on a CPU without them: hundreds of times slower than fp32), so that the measurement takes seconds everywhere.
+    A product of `call_s` seconds runs at its peak rate already."""
     if prec not in PRECISIONS:
         raise ValueError(f'precision {prec!r}; allowed: {", ".join(PRECISIONS)}')
     dtype = PRECISIONS[prec][0] or torch.float32
-    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
-    with precision(prec, a.device):
-        return n ** 3 / (min(time_calls(lambda: a @ b, a.device, 1, iters)) / 1e3)
+    m = min(n, 256)
+    with precision(prec, device):
+        while True:
+            a, b = (torch.randn(m, m, device=device).to(dtype) for _ in range(2))
+            seconds = time_calls(lambda: a @ b, a.device, 1, 1)[0] / 1e3
+            if 2 * m > n or 8 * seconds > call_s:
+                break
+            m *= 2
+        return m ** 3 / (min(time_calls(lambda: a @ b, a.device, 0, iters)) / 1e3)
 
 
 def peak_bandwidth(mbytes=256, iters=5, device='cpu'):
