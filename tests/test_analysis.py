@@ -796,6 +796,7 @@ def test_roofline_bf16_peak_and_a_model_under_autocast(tmp_path):
     assert summary['precision'] == 'bf16' and set(summary['peaks_gmacs']) == {'fp32', 'bf16'}
     assert summary['peak_gmacs'] == summary['peaks_gmacs']['bf16'] and 'bf16 autocast' in summary['title']
     assert summary['models']['hvit3_t']['train_gmacs'] > 0 and (tmp_path / 'roofline.png').is_file()
+    assert summary['cpu_isa'] == torch.backends.cpu.get_cpu_capability()
 
 
 def test_merge_pools_runs_and_render_names_each(tmp_path):
@@ -963,6 +964,7 @@ def test_op_profile_bounds_count_what_a_step_must_move_at_least():
         assert row['bound_ms'] == pytest.approx(max(want_bytes / bw, want_macs / peak) * 1e3)
         md = opprofile.table(res)
         assert '| least MB | bound ms | × bound |' in md and 'GB/s copy bandwidth' in md.splitlines()[0]
+        assert res['cpu_isa'] == torch.backends.cpu.get_cpu_capability() and f'this machine, {res["cpu_isa"]})' in md
     assert 'least MB' not in opprofile.table(opprofile.profile_ops(model, x, 'train', 'fp32', warmup=0))
     # a block that chooses its MLP branch's path (L2ViT's NORM_MLP) holds the branch's Mlp, a row of its own: no bound
     # (inside `with_cp` blocks the branch on half tokens runs the Mlp module's reference)

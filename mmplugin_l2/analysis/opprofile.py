@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..models.ops import dispatch
-from .measure import PRECISIONS, clock, output_loss, precision
+from .measure import PRECISIONS, clock, cpu_isa, output_loss, precision
 from .roofline import layers, module_macs, peak_bandwidth, peak_matmul, tensor_bytes
 
 KINDS = ('train', 'infer')
@@ -270,7 +270,8 @@ def profile_ops(model, x, kind='train', prec='fp32', warmup=1, by='group', bound
     machine = {}
     if bounds:    # before the model's steps fill the heap
         machine = dict(bandwidth_gbs=peak_bandwidth(device=x.device) / 1e9,
-                       peak_gmacs=peak_matmul(device=x.device, prec=prec) / 1e9)
+                       peak_gmacs=peak_matmul(device=x.device, prec=prec) / 1e9,
+                       cpu_isa=cpu_isa() if x.device.type == 'cpu' else None)
     model.train(kind == 'train')
     for _ in range(warmup):
         _step(model, x, kind, prec)
@@ -380,7 +381,8 @@ def table(result):
              '|---|---|---|---|' + ('---|' if train else '') + '---|' + ('---|---|---|' if bounded else '') + '---|']
     if bounded:
         lines[0] += (f' Bounds: {result["bandwidth_gbs"]:.1f} GB/s copy bandwidth, {result["peak_gmacs"]:.0f} '
-                     f'GMAC/s {result["precision"]} matmul peak (this machine).')
+                     f'GMAC/s {result["precision"]} matmul peak (this machine'
+                     + (f', {result["cpu_isa"]}' if result.get('cpu_isa') else '') + ').')
         bounded_rows = [r for r in result['rows'] if r['bound_ms']]
         lines[0] += (f' The ops with a bound: {sum(r["forward_ms"] + r["backward_ms"] for r in bounded_rows):.1f} ms'
                      f' measured, {sum(r["bound_ms"] for r in bounded_rows):.1f} ms bound.')

@@ -26,7 +26,7 @@ import torch
 
 from mmplugin_l2.analysis import roofline as rl
 from mmplugin_l2.analysis.benchmark import PRECISION_TITLES, parse_size
-from mmplugin_l2.analysis.measure import PRECISIONS
+from mmplugin_l2.analysis.measure import PRECISIONS, cpu_isa
 from mmplugin_l2.analysis.models import MODELS, build
 
 
@@ -48,10 +48,12 @@ def main(argv=None):
     peaks = {q: rl.peak_matmul(device=dev, prec=q) / 1e9 for q in dict.fromkeys(('fp32', 'bf16', prec))}
     bw = rl.peak_bandwidth(device=dev)
     print('peak matmul ' + ', '.join(f'{q} {v:.1f} GMAC/s' for q, v in peaks.items())
-          + f', copy bandwidth {bw / 1e9:.1f} GB/s ({torch.get_num_threads()} threads); models in {prec}, '
+          + f', copy bandwidth {bw / 1e9:.1f} GB/s ({torch.get_num_threads()} threads'
+          + (f', {cpu_isa()}' if dev.type == 'cpu' else '') + f'); models in {prec}, '
           f'\'of peak\' against the {prec} peak', flush=True)
     summary = dict(device=args.device, machine=f'{platform.machine()}, {os.cpu_count()} CPUs', torch=torch.__version__,
-                   threads=torch.get_num_threads(), size=list(size), batch=args.batch, precision=prec,
+                   threads=torch.get_num_threads(), cpu_isa=cpu_isa() if dev.type == 'cpu' else None,
+                   size=list(size), batch=args.batch, precision=prec,
                    peak_gmacs=peaks[prec], peaks_gmacs=peaks, bandwidth_gbs=bw / 1e9, models={})
     for name in args.models:
         torch.manual_seed(0)
