@@ -737,7 +737,7 @@ def test_half_precision_without_units_warns_once_and_the_benchmark_records_the_c
     import torch
     from mmplugin_l2.analysis import benchmark as bm
     from mmplugin_l2.analysis import measure
-    monkeypatch.setattr(measure, '_WARNED', set())
+    monkeypatch.setattr(measure, '_CHECKED', set())
     monkeypatch.setattr(torch.ops.mkldnn, '_is_mkldnn_bf16_supported', lambda: False)
     assert measure.half_units('fp32', 'cpu') and not measure.half_units('bf16', 'cpu')
     with pytest.warns(UserWarning, match='no bf16 units'):

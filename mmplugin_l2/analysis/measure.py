@@ -200,13 +200,25 @@ def half_units(name, device):
     return bool(check())
 
 
-def cpu_isa():
-    """The instruction set torch's CPU kernels were dispatched for here ('AVX2', 'AVX512', ...), or None."""
+def cpu_isa(device='cpu'):
+    """The instruction set torch's CPU kernels were dispatched for here ('AVX2', 'AVX512', ...); None off the CPU
+    or where torch does not say."""
     get = getattr(torch.backends.cpu, 'get_cpu_capability', None)
-    return get() if get is not None else None
+    return get() if get is not None and torch.device(device).type == 'cpu' else None
 
 
-_WARNED = set()
+def half_units_warning(name, device):
+    """What to tell a user who measures in precision `name` on `device` without units for it (`half_units`); None
+    where it has them."""
+    if half_units(name, device):
+        return None
+    return (f'{name} on this CPU ({cpu_isa()}): it has no {name} units, so torch runs {name} matrix products and '
+            f'convolutions in a scalar fallback, hundreds of times slower than fp32; {name} timings here describe '
+            f'that fallback, not a machine that trains in {name}')
+
+
+#: (precision, device type) pairs `precision` has checked for units (once per process: it runs inside timed steps)
+_CHECKED = set()
 
 
 @contextlib.contextmanager
@@ -215,12 +227,12 @@ def precision(name, device):
     a process runs a half precision on a CPU without units for it (`half_units`), a warning says so."""
     if name not in PRECISIONS:
         raise ValueError(f'precision {name!r}; allowed: {", ".join(PRECISIONS)}')
-    if name not in _WARNED and not half_units(name, device):
-        _WARNED.add(name)
-        warnings.warn(f'{name} on this CPU ({cpu_isa()}): it has no {name} units, so torch runs {name} matrix '
-                      'products and convolutions in a scalar fallback, hundreds of times slower than fp32; '
-                      f'{name} timings here describe that fallback, not a machine that trains in {name}',
-                      stacklevel=3)
+    key = (name, torch.device(device).type)
+    if key not in _CHECKED:
+        _CHECKED.add(key)
+        message = half_units_warning(name, device)
+        if message:
+            warnings.warn(message, stacklevel=3)
     dtype, tf32 = PRECISIONS[name]
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32

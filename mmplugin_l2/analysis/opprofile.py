@@ -271,7 +271,7 @@ def profile_ops(model, x, kind='train', prec='fp32', warmup=1, by='group', bound
     if bounds:    # before the model's steps fill the heap
         machine = dict(bandwidth_gbs=peak_bandwidth(device=x.device) / 1e9,
                        peak_gmacs=peak_matmul(device=x.device, prec=prec) / 1e9,
-                       cpu_isa=cpu_isa() if x.device.type == 'cpu' else None)
+                       cpu_isa=cpu_isa(x.device))
     model.train(kind == 'train')
     for _ in range(warmup):
         _step(model, x, kind, prec)

@@ -41,7 +41,7 @@ import sys
 
 from mmplugin_l2.analysis import authors
 from mmplugin_l2.analysis import benchmark as bm
-from mmplugin_l2.analysis.measure import ALLOCATORS, PRECISIONS, WARMUP, allocator_env, cpu_isa, half_units
+from mmplugin_l2.analysis.measure import ALLOCATORS, PRECISIONS, WARMUP, allocator_env, half_units_warning
 from mmplugin_l2.analysis.models import MODELS, label
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
@@ -190,11 +190,8 @@ def main(argv=None):
         results['note'] = ('tiny sizes and one round, run only to show the format; replace with a real run '
                            '(see "How to run").')
     print(f'{len(specs)} measurements -> {args.out}', flush=True)
-    for prec in args.precision:
-        if not half_units(prec, args.device):
-            print(f'warning: {prec} on this CPU ({cpu_isa()}) runs without {prec} units (torch\'s scalar fallback, '
-                  f'hundreds of times slower than fp32); its figures do not describe a machine that trains in {prec}',
-                  flush=True)
+    for message in filter(None, (half_units_warning(prec, args.device) for prec in args.precision)):
+        print(f'warning: {message}', flush=True)
     bm.run(specs, common, args.out, results, timeout=args.timeout, log=lambda s: print(s, flush=True))
     failed = [s for s in results['samples'] if 'error' in s]
     print(f'wrote {args.out} ({len(results["samples"])} samples, {len(failed)} failed)')

@@ -46,13 +46,13 @@ def main(argv=None):
     args = p.parse_args(argv)
     size, dev, prec = parse_size(args.size), torch.device(args.device), args.precision
     peaks = {q: rl.peak_matmul(device=dev, prec=q) / 1e9 for q in dict.fromkeys(('fp32', 'bf16', prec))}
-    bw = rl.peak_bandwidth(device=dev)
+    bw, isa = rl.peak_bandwidth(device=dev), cpu_isa(dev)
     print('peak matmul ' + ', '.join(f'{q} {v:.1f} GMAC/s' for q, v in peaks.items())
           + f', copy bandwidth {bw / 1e9:.1f} GB/s ({torch.get_num_threads()} threads'
-          + (f', {cpu_isa()}' if dev.type == 'cpu' else '') + f'); models in {prec}, '
+          + (f', {isa}' if isa else '') + f'); models in {prec}, '
           f'\'of peak\' against the {prec} peak', flush=True)
     summary = dict(device=args.device, machine=f'{platform.machine()}, {os.cpu_count()} CPUs', torch=torch.__version__,
-                   threads=torch.get_num_threads(), cpu_isa=cpu_isa() if dev.type == 'cpu' else None,
+                   threads=torch.get_num_threads(), cpu_isa=isa,
                    size=list(size), batch=args.batch, precision=prec,
                    peak_gmacs=peaks[prec], peaks_gmacs=peaks, bandwidth_gbs=bw / 1e9, models={})
     for name in args.models:
