@@ -225,6 +225,13 @@ class PyramidBackbone(BaseModule):
         (BatchNorm running statistics updated once per step, not again in the recomputation)."""
         return checkpointed(block, x, *args, enabled=self.with_cp and x.requires_grad, module=block)
 
+    def run_chain(self, module, x):
+        """Run a convolution chain between the blocks (a stem, a downsampling) on the map x, through activation
+        checkpointing when `with_cp` and it trains: only its input is kept, its full-resolution intermediates
+        are recomputed in backward (BatchNorm running statistics updated once)."""
+        trains = x.requires_grad or any(p.requires_grad for p in module.parameters())
+        return checkpointed(module, x, enabled=self.with_cp and trains, module=module)
+
     def stage_output(self, i, tokens, hw_shape):
         """Stage i's tokens (B, N, C) of an (H, W) map through the output norm `norm{i}`, as an NCHW map
         (B, C, H, W). A LayerNorm acts on the tokens (over channels); other norms (BN) on the map."""

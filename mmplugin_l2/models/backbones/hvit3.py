@@ -135,7 +135,7 @@ class HViT3(PyramidBackbone):
                            memory_policy, weight_init=_init_linear_and_ln)
 
     def forward(self, x):
-        x = self.patch_embed(x)
+        x = self.run_chain(self.patch_embed, x)
         outs = []
         for i, stage in enumerate(self.layers):
             if i:
@@ -163,7 +163,7 @@ class HViT3(PyramidBackbone):
             outs.append(self.stage_output(i, x, hw))
         if stage.downsample is None:
             return None
-        return stage.downsample(tokens_to_map(x, hw))
+        return self.run_chain(stage.downsample, tokens_to_map(x, hw))
 
     def keys_not_in_pretrained(self):
         return [k for k in self.state_dict() if k.split('.')[0] in {f'norm{i}' for i in self.out_indices}]
