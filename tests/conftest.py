@@ -88,6 +88,31 @@ def assert_pyramid_shapes(outs, size, dims, batch=2):
         assert torch.isfinite(o).all()
 
 
+def assert_with_cp_recomputes_chains(build, kept, dropped, x=None):
+    """`with_cp=True` also recomputes the convolution chains between the blocks (stem, downsamplings): of the
+    maps of shapes `kept` (which a plain training forward keeps for backward) and `dropped` none is kept outside
+    recomputed regions (inside them torch.utils.checkpoint keeps nothing); gradients, running statistics and
+    every buffer equal those of the plain step, and each train-mode BatchNorm counted the batch once."""
+    torch.manual_seed(0)
+    plain, cp = build().train(), build(with_cp=True).train()
+    cp.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 3, 64, 64) if x is None else x
+    (out_plain, saved_plain), (out_cp, saved_cp) = (saved_for_backward(lambda: m(x)) for m in (plain, cp))
+    shapes_plain, shapes_cp = {tuple(t.shape) for t in saved_plain}, {tuple(t.shape) for t in saved_cp}
+    assert all(tuple(s) in shapes_plain for s in kept), (kept, shapes_plain)
+    assert not any(tuple(s) in shapes_cp for s in list(kept) + list(dropped)), shapes_cp
+    sum(o.square().sum() for o in out_plain).backward()
+    sum(o.square().sum() for o in out_cp).backward()
+    for (n, p), q in zip(plain.named_parameters(), cp.parameters()):
+        assert (p.grad is None) == (q.grad is None), n
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
+    for (n, t), u in zip(plain.state_dict().items(), cp.state_dict().values()):
+        torch.testing.assert_close(t, u, rtol=0, atol=1e-7, msg=n)
+    bns = [m for m in cp.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert bns and all(m.num_batches_tracked.item() == (1 if m.training else 0) for m in bns)
+
+
 def assert_with_cp_matches(build, x=None):
     """`with_cp=True` gives the same outputs and parameter gradients as without, in train mode."""
     torch.manual_seed(0)

@@ -4,7 +4,7 @@ gradients and RoPE: tests/ops/test_ttt.py, tests/ops/test_rope.py)."""
 import pytest
 import torch
 
-from conftest import assert_pyramid_shapes, assert_with_cp_matches, TINY_HVIT3
+from conftest import assert_pyramid_shapes, assert_with_cp_matches, assert_with_cp_recomputes_chains, TINY_HVIT3
 from mmplugin_l2 import HViT3, ViT3
 
 
@@ -127,49 +127,18 @@ def test_with_cp_same_output_and_grads(backbone):
     assert_with_cp_matches(lambda **extra: build(**kw, **extra))
 
 
-def _saved_shapes(model, x):
-    """The shapes of the tensors a training forward of `model` keeps for backward outside recomputed regions
-    (inside them torch.utils.checkpoint keeps nothing), and its outputs."""
-    shapes = set()
-
-    def pack(t):
-        shapes.add(tuple(t.shape))
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        outs = model(x)
-    return shapes, outs
-
-
 @pytest.mark.parametrize('frozen_stages', [-1, 1])
 def test_with_cp_recomputes_the_stem_and_downsamplings(frozen_stages):
-    """With `with_cp` the convolution chains between the blocks are recomputed too: no full-resolution map of the
-    stem (its first conv's output, (B, C/2, H/2, W/2)) and no downsampling's expanded map ((B, 4C', h, w)) is kept
-    for backward, as they are without it; their BatchNorms count the batch once, and gradients and running
-    statistics equal those without `with_cp`. A frozen stem and stage (`frozen_stages=1`) need no gradient and are
-    not recomputed."""
-    torch.manual_seed(0)
-    kw = dict(arch=TINY_HVIT3, drop_path_rate=0., frozen_stages=frozen_stages)
-    plain, cp = HViT3(**kw).train(), HViT3(**kw, with_cp=True).train()
-    cp.load_state_dict(plain.state_dict())
-    x = torch.randn(2, 3, 64, 64)
+    """No full-resolution map of the stem (its first conv's output, (B, C/2, H/2, W/2)) and no downsampling's
+    expanded map ((B, 4C', h, w), before its stride-2 conv) is kept for backward with `with_cp`. A frozen stem and
+    stage (`frozen_stages=1`) need no gradient: nothing of them is kept either way."""
     dims = TINY_HVIT3['embed_dims']
-    stem_map = (2, dims[0] // 2, 32, 32)
-    expanded = [(2, 4 * dims[i + 1], 16 // 2 ** i, 16 // 2 ** i) for i in range(3)]   # before the stride-2 conv
-    kept_plain, out_plain = _saved_shapes(plain, x)
-    kept_cp, out_cp = _saved_shapes(cp, x)
-    trained = expanded[frozen_stages + 1:] + ([stem_map] if frozen_stages < 0 else [])
-    assert all(s in kept_plain for s in trained), (trained, kept_plain)
-    assert not any(s in kept_cp for s in [stem_map] + expanded), kept_cp
-    sum(o.square().sum() for o in out_plain).backward()
-    sum(o.square().sum() for o in out_cp).backward()
-    for (n, p), q in zip(plain.named_parameters(), cp.parameters()):
-        assert (p.grad is None) == (q.grad is None), n
-        if p.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
-    for (n, t), u in zip(plain.state_dict().items(), cp.state_dict().values()):
-        torch.testing.assert_close(t, u, rtol=0, atol=1e-7, msg=n)
-    bns = [m for m in cp.modules() if isinstance(m, torch.nn.BatchNorm2d)]
-    assert bns and all(m.num_batches_tracked.item() == (1 if m.training else 0) for m in bns)
+    stem = (2, dims[0] // 2, 32, 32)
+    expanded = [(2, 4 * dims[i + 1], 16 // 2 ** i, 16 // 2 ** i) for i in range(3)]
+    trained = [stem] + expanded if frozen_stages < 0 else expanded[frozen_stages:]
+    assert_with_cp_recomputes_chains(
+        lambda **kw: HViT3(arch=TINY_HVIT3, drop_path_rate=0., frozen_stages=frozen_stages, **kw),
+        kept=trained, dropped=[stem] + expanded)
 
 
 # ---------------------------------------------------------------- registries and errors

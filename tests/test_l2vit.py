@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import assert_pyramid_shapes, ROOT, TINY_L2VIT
+from conftest import assert_pyramid_shapes, assert_with_cp_recomputes_chains, ROOT, TINY_L2VIT
 from mmplugin_l2 import L2ViT
 from mmplugin_l2.models.backbones.l2vit import LGABlock, LWABlock
 from mmplugin_l2.models.layers import WindowAttention
@@ -317,6 +317,13 @@ def test_mlp_branch_keeps_the_fc1_output_not_the_gelu_output():
     tokens = 2 * 30 * 8
     assert nbytes(saved) - weights <= 8 * (tokens + 4 * tokens + 2 * 60)    # x, fc1 output, LN mean / rstd
     assert nbytes(saved_ref) - weights >= 8 * (tokens + 8 * tokens)      # + LN output and GELU output
+
+
+def test_with_cp_recomputes_the_stem():
+    """With `with_cp` the stem's first map (its first conv's output, (B, C/2, H/2, W/2)) is not kept for
+    backward."""
+    stem = (2, TINY['embed_dims'][0] // 2, 32, 32)
+    assert_with_cp_recomputes_chains(lambda **kw: L2ViT(arch=TINY, drop_path_rate=0., **kw), [stem], [])
 
 
 def test_with_cp_same_outputs_grads_and_bn_statistics():

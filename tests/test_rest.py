@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import assert_pyramid_shapes, assert_with_cp_matches, ROOT, TINY_REST
+from conftest import assert_pyramid_shapes, assert_with_cp_matches, assert_with_cp_recomputes_chains, ROOT, TINY_REST
 from mmplugin_l2 import ResT
 from mmplugin_l2.models.layers import EMSA
 from mmplugin_l2.models.ops.emsa.naive import emsa_attention_naive
@@ -204,6 +204,12 @@ def test_norm_eval_keeps_batchnorm_statistics():
 def test_with_cp_same_output_and_grads(piece):
     kw = dict(fast_train=False) if piece is None else dict(memory_policy=dict(max_elems=piece))
     assert_with_cp_matches(lambda **extra: tiny(**kw, **extra))
+
+
+def test_with_cp_recomputes_the_stem():
+    """With `with_cp` the stem's first map (its first conv's output, (B, C/2, H/2, W/2)) is not kept for
+    backward."""
+    assert_with_cp_recomputes_chains(tiny, [(2, TINY_REST['embed_dims'][0] // 2, 32, 32)], [])
 
 
 def test_drop_path_schedule():

@@ -8,7 +8,8 @@ A `PyramidBackbone` has a stem `patch_embed` and a ModuleList `layers` of stages
   convention; any mmcv norm config, e.g. BN for classification heads);
 * `frozen_stages` (-1: none, 0: the stem, i: the stem and stages 0..i-1 with their output norms) and
   `norm_eval` (BatchNorms stay in eval mode while training), honoured by `train()`;
-* `with_cp`: activation checkpointing of each block (`run_block`);
+* `with_cp`: activation checkpointing of each block (`run_block`) and of the convolution chains between them,
+  the stem and the downsamplings (`run_chain`);
 * `memory_policy`: the one memory policy every large-map layer follows (`ops/memory.py`);
 * `stage_output(i, tokens, hw_shape)`: a stage's tokens through `norm{i}` to an NCHW map;
 * `init_cfg=dict(type='Pretrained', checkpoint=...)`: the authors' checkpoints are converted by the
@@ -225,12 +226,13 @@ class PyramidBackbone(BaseModule):
         (BatchNorm running statistics updated once per step, not again in the recomputation)."""
         return checkpointed(block, x, *args, enabled=self.with_cp and x.requires_grad, module=block)
 
-    def run_chain(self, module, x):
-        """Run a convolution chain between the blocks (a stem, a downsampling) on the map x, through activation
-        checkpointing when `with_cp` and it trains: only its input is kept, its full-resolution intermediates
-        are recomputed in backward (BatchNorm running statistics updated once)."""
+    def run_chain(self, module, x, *args):
+        """Run `module(x, *args)`, a convolution chain between the blocks (a stem, a downsampling), through
+        activation checkpointing when `with_cp` and it trains (x or its parameters need gradients): only its
+        input is kept, its intermediates (the stem's are full-resolution maps) are recomputed in backward
+        (BatchNorm running statistics updated once)."""
         trains = x.requires_grad or any(p.requires_grad for p in module.parameters())
-        return checkpointed(module, x, enabled=self.with_cp and trains, module=module)
+        return checkpointed(module, x, *args, enabled=self.with_cp and trains, module=module)
 
     def stage_output(self, i, tokens, hw_shape):
         """Stage i's tokens (B, N, C) of an (H, W) map through the output norm `norm{i}`, as an NCHW map

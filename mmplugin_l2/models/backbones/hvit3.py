@@ -84,7 +84,8 @@ class HViT3(PyramidBackbone):
         out_indices (Sequence[int]): stages to return. Default: (0, 1, 2, 3).
         frozen_stages (int): -1 none, 0 the stem, i the stem and stages 0..i-1. Default: -1.
         norm_eval (bool): keep BatchNorms (stem, downsamples) in eval mode during training. Default: False.
-        with_cp (bool): activation checkpointing per block. Default: False.
+        with_cp (bool): activation checkpointing of every block, the stem and the downsamplings (only their
+            inputs kept for backward, the rest recomputed there). Default: False.
         fast_train (bool): in training, keep only the inputs of the TTT inner models (`TTTCore`) and the
             MLP's input and fc1 output (`ConvMlpFunction`) for backward and recompute the rest there: same
             gradients, about half the memory of a step, at about the speed of `fast_train=False` on CPU.

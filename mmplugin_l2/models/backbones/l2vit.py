@@ -23,8 +23,8 @@ sum in another order than their NCHW convs and explicit softmax), with these doc
   masks the padded keys instead (not the authors' numbers at sizes that are not multiples of 7 * stride).
 * The linear attention's K^T V / denominator run in float32 under autocast (finite fp16 / bf16 at
   detection sizes); identical in fp32.
-* `frozen_stages`, `norm_eval` and `with_cp` are ours (theirs has none). With `with_cp`, the LCM
-  BatchNorms update their running statistics once per step (not again in the recomputation).
+* `frozen_stages`, `norm_eval` and `with_cp` are ours (theirs has none). With `with_cp`, the BatchNorms (the
+  stem's, the LCMs') update their running statistics once per step (not again in the recomputation).
 * Initialisation is the authors' classification one (trunc_normal(0.02) on every Linear and Conv2d, zero
   biases, LN/BN 1/0); their dense-prediction code uses kaiming for convs, which a pretrained checkpoint
   overwrites anyway.
@@ -126,7 +126,8 @@ class L2ViT(PyramidBackbone):
             downsampling and its output norm). Default: -1.
         norm_eval (bool): keep the BatchNorms (stem, LCMs) in eval mode while training. Default: False
             (the authors fine-tune them in train mode).
-        with_cp (bool): activation checkpointing per block. Default: False.
+        with_cp (bool): activation checkpointing of every block, the stem and the downsamplings (only their
+            inputs kept for backward, the rest recomputed there). Default: False.
         fast_train (bool): in training, recompute in backward what is cheap to recompute and keep what is
             not: the window-attention branches keep their matrix-product and attention-kernel outputs and
             recompute the LayerNorm and window partitions (`checkpoint.checkpointed(keep_products=True)`),
@@ -196,10 +197,10 @@ class L2ViT(PyramidBackbone):
         outs = []
         for i in range(self.num_stages):
             if i == 0:
-                x, hw = self.downsample_layers[0](x)
+                x, hw = self.run_chain(self.downsample_layers[0], x)
             else:
                 stage_boundary()
-                x, hw = self.downsample_layers[i](x, hw)
+                x, hw = self.run_chain(self.downsample_layers[i], x, hw)
             for block in self.stages[i]:
                 x = self.run_block(block, x, hw)
             if i in self.out_indices:

@@ -102,7 +102,8 @@ class ResT(PyramidBackbone):
         frozen_stages (int): -1 none, 0 the stem, i the stem and stages 0..i-1 (each with its patch
             embedding and output norm). Default: -1.
         norm_eval (bool): keep the BatchNorms of the stem and patch embeddings in eval mode. Default: False.
-        with_cp (bool): activation checkpointing per block. Default: False.
+        with_cp (bool): activation checkpointing of every block, the stem and the downsamplings (only their
+            inputs kept for backward, the rest recomputed there). Default: False.
         out_norm_cfg (dict | None): norm `norm{i}` of each returned stage. `norm3` receives the pretrained
             final `norm`. Default: dict(type='LN') (eps 1e-5, as the authors).
         norm_in_path (bool): False (default), the output norms form a side branch (mmdet, the paper);
@@ -156,13 +157,13 @@ class ResT(PyramidBackbone):
                            memory_policy, weight_init=_init_rest_weights)
 
     def forward(self, x):
-        x = self.patch_embed(x)
+        x = self.run_chain(self.patch_embed, x)
         outs = []
         for i, stage in enumerate(self.layers):
             if i:
                 stage_boundary()
             if stage.patch_embed is not None:
-                x = stage.patch_embed(x)
+                x = self.run_chain(stage.patch_embed, x)
             hw = tuple(x.shape[-2:])  # from the conv output: any input size works
             t = map_to_tokens(x)
             for block in stage.blocks:
