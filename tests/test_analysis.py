@@ -799,6 +799,29 @@ def test_roofline_bf16_peak_and_a_model_under_autocast(tmp_path):
     assert summary['cpu_isa'] == torch.backends.cpu.get_cpu_capability()
 
 
+def test_run_records_uncommitted_changes_beside_the_commit(tmp_path):
+    """The commit a run records says when the package's tracked files differ from it: the code measured is then
+    not that commit's. Untracked files do not count; outside a checkout: None."""
+    import subprocess
+    from mmplugin_l2.analysis import benchmark as bm
+
+    def git(*args):
+        return subprocess.run(['git', '-c', 'user.name=t', '-c', 'user.email=t@t', *args], cwd=tmp_path, check=True,
+                              capture_output=True, text=True).stdout.strip()
+    git('init', '-q')
+    (tmp_path / 'a.py').write_text('x = 1\n')
+    git('add', 'a.py')
+    git('commit', '-qm', 'a')
+    head = git('rev-parse', '--short', 'HEAD')
+    assert bm.package_commit(tmp_path) == head
+    (tmp_path / 'b.py').write_text('untracked\n')
+    assert bm.package_commit(tmp_path) == head
+    (tmp_path / 'a.py').write_text('x = 2\n')
+    assert bm.package_commit(tmp_path) == head + '+uncommitted'
+    subprocess.run(['git', 'init', '-q', '--bare', str(tmp_path / 'bare')], check=True)
+    assert bm.package_commit(tmp_path / 'bare') is None
+
+
 def test_merge_pools_runs_and_render_names_each(tmp_path):
     from mmplugin_l2.analysis import benchmark as bm
     a = dict(format=bm.FORMAT, env=dict(device='cpu', commit='aaa'), config=dict(rounds=1),

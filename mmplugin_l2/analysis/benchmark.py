@@ -285,6 +285,19 @@ def schedule(models, sizes, batches, kinds, rounds, precisions=('fp32',), alloca
     return out
 
 
+def package_commit(root=None):
+    """The short commit of the checkout the package is imported from (`PACKAGE_ROOT`), with '+uncommitted' when
+    its tracked files differ from it (the code measured is then not that commit's); None outside a checkout."""
+    def git(*args):
+        return subprocess.run(['git', *args], cwd=root or PACKAGE_ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    try:
+        commit = git('rev-parse', '--short', 'HEAD')
+        return (commit + ('+uncommitted' if git('status', '--porcelain', '--untracked-files=no') else '')) or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def environment(device):
     """Machine, versions and commit of a run."""
     import platform
@@ -300,11 +313,7 @@ def environment(device):
     env['cpu_half_units'] = [p for p in ('bf16', 'fp16') if half_units(p, 'cpu')]
     if device.startswith('cuda'):
         env['gpu'] = torch.cuda.get_device_name(torch.device(device))
-    try:
-        env['commit'] = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=PACKAGE_ROOT, capture_output=True,
-                                       text=True, timeout=10).stdout.strip() or None
-    except OSError:
-        env['commit'] = None
+    env['commit'] = package_commit()
     for mod in ('mmdet', 'mmpretrain', 'mmengine'):
         try:
             env[mod] = __import__(mod).__version__
