@@ -102,8 +102,8 @@ class ResT(PyramidBackbone):
         frozen_stages (int): -1 none, 0 the stem, i the stem and stages 0..i-1 (each with its patch
             embedding and output norm). Default: -1.
         norm_eval (bool): keep the BatchNorms of the stem and patch embeddings in eval mode. Default: False.
-        with_cp (bool): activation checkpointing of every block, the stem and the downsamplings (only their
-            inputs kept for backward, the rest recomputed there). Default: False.
+        with_cp (bool): activation checkpointing of every block, the stem and the patch embeddings (only
+            their inputs kept for backward, the rest recomputed there). Default: False.
         out_norm_cfg (dict | None): norm `norm{i}` of each returned stage. `norm3` receives the pretrained
             final `norm`. Default: dict(type='LN') (eps 1e-5, as the authors).
         norm_in_path (bool): False (default), the output norms form a side branch (mmdet, the paper);
