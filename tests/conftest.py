@@ -88,6 +88,14 @@ def assert_pyramid_shapes(outs, size, dims, batch=2):
         assert torch.isfinite(o).all()
 
 
+def assert_same_grads(a, b):
+    """Models a and b (same parameters) hold the same parameter gradients, None where the other's is None."""
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert (p.grad is None) == (q.grad is None), n
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
 def assert_with_cp_recomputes_chains(build, kept, dropped, x=None):
     """`with_cp=True` also recomputes the convolution chains between the blocks (stem, downsamplings): of the
     maps of shapes `kept` (which a plain training forward keeps for backward) and `dropped` none is kept outside
@@ -103,10 +111,7 @@ def assert_with_cp_recomputes_chains(build, kept, dropped, x=None):
     assert not any(tuple(s) in shapes_cp for s in list(kept) + list(dropped)), shapes_cp
     sum(o.square().sum() for o in out_plain).backward()
     sum(o.square().sum() for o in out_cp).backward()
-    for (n, p), q in zip(plain.named_parameters(), cp.parameters()):
-        assert (p.grad is None) == (q.grad is None), n
-        if p.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
+    assert_same_grads(plain, cp)
     for (n, t), u in zip(plain.state_dict().items(), cp.state_dict().values()):
         torch.testing.assert_close(t, u, rtol=0, atol=1e-7, msg=n)
     bns = [m for m in cp.modules() if isinstance(m, torch.nn.BatchNorm2d)]
@@ -125,5 +130,4 @@ def assert_with_cp_matches(build, x=None):
         torch.testing.assert_close(u, v, rtol=0, atol=1e-6)
     sum(o.square().sum() for o in oa).backward()
     sum(o.square().sum() for o in ob).backward()
-    for (n, p), q in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
+    assert_same_grads(a, b)

@@ -231,8 +231,8 @@ class PyramidBackbone(BaseModule):
         activation checkpointing when `with_cp` and it trains (x or its parameters need gradients): only its
         input is kept, its intermediates (the stem's are full-resolution maps) are recomputed in backward
         (BatchNorm running statistics updated once)."""
-        trains = x.requires_grad or any(p.requires_grad for p in module.parameters())
-        return checkpointed(module, x, *args, enabled=self.with_cp and trains, module=module)
+        enabled = self.with_cp and (x.requires_grad or any(p.requires_grad for p in module.parameters()))
+        return checkpointed(module, x, *args, enabled=enabled, module=module)
 
     def stage_output(self, i, tokens, hw_shape):
         """Stage i's tokens (B, N, C) of an (H, W) map through the output norm `norm{i}`, as an NCHW map
