@@ -1,10 +1,13 @@
 """H-ViT3 / ViT3 backbones: shapes, freezing, checkpointing, registries, weights (the TTT layer, its inner
 gradients and RoPE: tests/ops/test_ttt.py, tests/ops/test_rope.py)."""
 
+import functools
+
 import pytest
 import torch
 
-from conftest import assert_pyramid_shapes, assert_with_cp_matches, assert_with_cp_recomputes_chains, TINY_HVIT3
+from conftest import (assert_pyramid_shapes, assert_same_grads, assert_with_cp_matches,
+                      assert_with_cp_recomputes_chains, TINY_HVIT3)
 from mmplugin_l2 import HViT3, ViT3
 
 
@@ -125,6 +128,39 @@ def test_with_cp_same_output_and_grads(backbone):
         kw = dict(arch=dict(embed_dims=32, num_layers=2, num_heads=2))
         build = ViT3
     assert_with_cp_matches(lambda **extra: build(**kw, **extra))
+
+
+@pytest.mark.parametrize('backbone', ['hvit3', 'vit3'])
+def test_with_cp_recomputes_each_block_part_by_part(backbone):
+    """With `with_cp` a TTT block is recomputed part by part (`TTTBlock.recomputed_parts`): in backward its MLP
+    part is recomputed and back-propagated before its attention part is recomputed, so that the attention's
+    recomputed tensors are not alive during the MLP's backward (a whole-block recomputation runs the attention
+    first). Outputs and gradients equal the plain step's, stochastic depth active (each part replays its own
+    drop-path draws)."""
+    if backbone == 'hvit3':
+        build = functools.partial(HViT3, arch=TINY_HVIT3, drop_path_rate=0.5)
+    else:
+        build = functools.partial(ViT3, arch=dict(embed_dims=32, num_layers=2, num_heads=2), drop_path_rate=0.5)
+    plain, cp = build().train(), build(with_cp=True).train()
+    cp.load_state_dict(plain.state_dict())
+    block = cp.layers[0].blocks[0] if backbone == 'hvit3' else cp.blocks[0]
+    events = []
+    block.attn.register_forward_pre_hook(lambda *a: events.append('attention'))
+    block.mlp.register_forward_pre_hook(lambda *a: events.append('mlp'))
+    block.norm2.register_full_backward_pre_hook(lambda *a: events.append('mlp backward done'))
+    x = torch.randn(2, 3, 64, 64)
+    outs = []
+    for m in (plain, cp):
+        torch.manual_seed(1)
+        outs.append(m(x))
+    for u, v in zip(*outs):
+        torch.testing.assert_close(u, v, rtol=0, atol=1e-6)
+    assert events == ['attention', 'mlp']
+    events.clear()
+    for out in outs:
+        sum(o.square().sum() for o in out).backward()
+    assert events == ['mlp', 'mlp backward done', 'attention'], events
+    assert_same_grads(plain, cp)
 
 
 @pytest.mark.parametrize('frozen_stages', [-1, 1])

@@ -8,8 +8,8 @@ A `PyramidBackbone` has a stem `patch_embed` and a ModuleList `layers` of stages
   convention; any mmcv norm config, e.g. BN for classification heads);
 * `frozen_stages` (-1: none, 0: the stem, i: the stem and stages 0..i-1 with their output norms) and
   `norm_eval` (BatchNorms stay in eval mode while training), honoured by `train()`;
-* `with_cp`: activation checkpointing of each block (`run_block`) and of the convolution chains between them,
-  the stem and the downsamplings (`run_chain`);
+* `with_cp`: activation checkpointing of each block (`run_block`; part by part where the block lists its residual
+  parts) and of the convolution chains between them, the stem and the downsamplings (`run_chain`);
 * `memory_policy`: the one memory policy every large-map layer follows (`ops/memory.py`);
 * `stage_output(i, tokens, hw_shape)`: a stage's tokens through `norm{i}` to an NCHW map;
 * `init_cfg=dict(type='Pretrained', checkpoint=...)`: the authors' checkpoints are converted by the
@@ -223,8 +223,20 @@ class PyramidBackbone(BaseModule):
 
     def run_block(self, block, x, *args):
         """Run one block, through activation checkpointing when `with_cp` and gradients are needed
-        (BatchNorm running statistics updated once per step, not again in the recomputation)."""
-        return checkpointed(block, x, *args, enabled=self.with_cp and x.requires_grad, module=block)
+        (BatchNorm running statistics updated once per step, not again in the recomputation).
+
+        A block that lists its residual parts in `recomputed_parts()` (each `part(x, *args) -> x`, run in that
+        order, together the block's forward) is recomputed part by part: each part keeps its input and is
+        recomputed when its own backward comes, so one part's recomputed tensors are gone before the part before
+        it is recomputed (the peak of the block's backward is its largest part's, not the parts' sum), for one
+        more residual-stream tensor kept per part boundary. Other blocks are recomputed whole."""
+        enabled = self.with_cp and x.requires_grad
+        parts = getattr(block, 'recomputed_parts', None)
+        if not enabled or parts is None:
+            return checkpointed(block, x, *args, enabled=enabled, module=block)
+        for part in parts():
+            x = checkpointed(part, x, *args, module=block)
+        return x
 
     def run_chain(self, module, x, *args):
         """Run `module(x, *args)`, a convolution chain between the blocks (a stem, a downsampling), through

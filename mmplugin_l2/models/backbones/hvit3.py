@@ -53,10 +53,22 @@ class TTTBlock(nn.Module):
         self.mlp = (ConvMlp if conv_mlp else Mlp)(dim, int(dim * mlp_ratio), drop=drop, fast_train=fast_train)
 
     def forward(self, x, hw_shape, rope=None):
-        # add_residual: into the branch output at inference, out of place in training
+        return self.mlp_part(self.attention_part(x, hw_shape, rope), hw_shape)
+
+    # add_residual: into the branch output at inference, out of place in training
+    def attention_part(self, x, hw_shape, rope=None):
+        """x + CPE(x), then its TTT attention branch added: (B, N, C) -> (B, N, C)."""
         x = add_residual(self.cpe(x, hw_shape), x)
-        x = add_residual(self.drop_path(self.attn(self.norm1(x), hw_shape, rope)), x)
+        return add_residual(self.drop_path(self.attn(self.norm1(x), hw_shape, rope)), x)
+
+    def mlp_part(self, x, hw_shape, rope=None):
+        """x + its MLP branch: (B, N, C) -> (B, N, C) (`rope` unused: the parts take the same arguments)."""
         return add_residual(self.drop_path(self.mlp(self.norm2(x), hw_shape)), x)
+
+    def recomputed_parts(self):
+        """The parts `with_cp` recomputes one by one (`PyramidBackbone.run_block`): under `with_cp` the MLP's
+        recomputation and backward run without the attention's recomputed tensors alive."""
+        return self.attention_part, self.mlp_part
 
 
 class HViT3Stage(nn.Module):
@@ -84,8 +96,9 @@ class HViT3(PyramidBackbone):
         out_indices (Sequence[int]): stages to return. Default: (0, 1, 2, 3).
         frozen_stages (int): -1 none, 0 the stem, i the stem and stages 0..i-1. Default: -1.
         norm_eval (bool): keep BatchNorms (stem, downsamples) in eval mode during training. Default: False.
-        with_cp (bool): activation checkpointing of every block, the stem and the downsamplings (only their
-            inputs kept for backward, the rest recomputed there). Default: False.
+        with_cp (bool): activation checkpointing of every block (its attention part and its MLP part each on
+            its own: `PyramidBackbone.run_block`), the stem and the downsamplings (only their inputs kept for
+            backward, the rest recomputed there). Default: False.
         fast_train (bool): in training, keep only the inputs of the TTT inner models (`TTTCore`) and the
             MLP's input and fc1 output (`ConvMlpFunction`) for backward and recompute the rest there: same
             gradients, about half the memory of a step, at about the speed of `fast_train=False` on CPU.
