@@ -55,6 +55,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 #: a narrow H-ViT3 for tests where the architecture, not the width, is the point
 TINY_HVIT3 = dict(embed_dims=[16, 32, 64, 64], depths=[1, 1, 2, 1], num_heads=[1, 1, 2, 2])
+#: a narrow ViT3: two layers
+TINY_VIT3 = dict(embed_dims=32, num_layers=2, num_heads=2)
 #: a narrow L2ViT: every stage has an LWA and an LGA block
 TINY_L2VIT = dict(embed_dims=[16, 32, 64, 64], depths=[2, 2, 2, 2], num_heads=[1, 2, 2, 2])
 #: a narrow ResT: one head in stage 1 (no head-mixing conv / IN), several heads later, sr 8/4/2/1

@@ -3,12 +3,12 @@ the backbones' `recompute` (now `fast_train`), `naive_emsa_attention` (now `emsa
 `ChunkedEMSAAttention` (now `EMSAPiecesFunction`)."""
 import pytest
 
-from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST
+from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST, TINY_VIT3
 from mmplugin_l2 import HViT3, L2ViT, ResT, ViT3
 
 _BUILD = {
     'HViT3': lambda **kw: HViT3(arch=TINY_HVIT3, **kw),
-    'ViT3': lambda **kw: ViT3(arch=dict(embed_dims=32, num_layers=2, num_heads=2), **kw),
+    'ViT3': lambda **kw: ViT3(arch=TINY_VIT3, **kw),
     'L2ViT': lambda **kw: L2ViT(arch=TINY_L2VIT, **kw),
     'ResT': lambda **kw: ResT(arch=TINY_REST, **kw),
 }

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST
+from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST, TINY_VIT3
 from mmplugin_l2 import HViT3, L2ViT, ResT, ViT3
 from mmplugin_l2.analysis import authors
 from mmplugin_l2.models.layers import set_memory_policy
@@ -17,7 +17,7 @@ from mmplugin_l2.models.ops.export import export_mode, export_onnx, exporting
 
 BUILD = {
     'hvit3': lambda: HViT3(arch=TINY_HVIT3, drop_path_rate=0.),
-    'vit3': lambda: ViT3(arch=dict(embed_dims=32, num_layers=2, num_heads=2), drop_path_rate=0.),
+    'vit3': lambda: ViT3(arch=TINY_VIT3, drop_path_rate=0.),
     'l2vit': lambda: L2ViT(arch=TINY_L2VIT, drop_path_rate=0.),
     'l2vit_masked': lambda: L2ViT(arch=TINY_L2VIT, drop_path_rate=0., mask_window_padding=True),
     'rest': lambda: ResT(arch=TINY_REST, drop_path_rate=0.),

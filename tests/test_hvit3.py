@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import (assert_pyramid_shapes, assert_same_grads, assert_with_cp_matches,
-                      assert_with_cp_recomputes_chains, TINY_HVIT3)
+                      assert_with_cp_recomputes_chains, TINY_HVIT3, TINY_VIT3)
 from mmplugin_l2 import HViT3, ViT3
 
 
@@ -39,7 +39,7 @@ def test_out_indices_and_out_channels():
 
 
 def test_vit3_shapes_any_size():
-    m = ViT3(arch=dict(embed_dims=32, num_layers=2, num_heads=2), out_indices=(0, 1)).eval()
+    m = ViT3(arch=TINY_VIT3, out_indices=(0, 1)).eval()
     outs = m(torch.randn(2, 3, 50, 70))
     assert [tuple(o.shape) for o in outs] == [(2, 32, 4, 5), (2, 32, 4, 5)]
 
@@ -125,7 +125,7 @@ def test_with_cp_same_output_and_grads(backbone):
         kw = dict(arch=TINY_HVIT3, drop_path_rate=0.)
         build = HViT3
     else:
-        kw = dict(arch=dict(embed_dims=32, num_layers=2, num_heads=2))
+        kw = dict(arch=TINY_VIT3)
         build = ViT3
     assert_with_cp_matches(lambda **extra: build(**kw, **extra))
 
@@ -140,7 +140,7 @@ def test_with_cp_recomputes_each_block_part_by_part(backbone):
     if backbone == 'hvit3':
         build = functools.partial(HViT3, arch=TINY_HVIT3, drop_path_rate=0.5)
     else:
-        build = functools.partial(ViT3, arch=dict(embed_dims=32, num_layers=2, num_heads=2), drop_path_rate=0.5)
+        build = functools.partial(ViT3, arch=TINY_VIT3, drop_path_rate=0.5)
     plain, cp = build().train(), build(with_cp=True).train()
     cp.load_state_dict(plain.state_dict())
     block = cp.layers[0].blocks[0] if backbone == 'hvit3' else cp.blocks[0]
@@ -202,7 +202,7 @@ def test_wrong_channel_count_error():
 
 
 def test_vit3_state_dict_has_the_authors_layout():
-    keys = ViT3(arch=dict(embed_dims=32, num_layers=2, num_heads=2)).state_dict().keys()
+    keys = ViT3(arch=TINY_VIT3).state_dict().keys()
     assert {k.split('.')[0] for k in keys} == {'patch_embed', 'blocks', 'norm'}
     assert 'blocks.1.attn.w3' in keys and 'blocks.1.mlp.fc2.weight' in keys
 

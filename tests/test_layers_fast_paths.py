@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST
+from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST, TINY_VIT3
 from mmplugin_l2 import HViT3, L2ViT, ResT, ViT3
 from mmplugin_l2.models.layers import (CPE, LCM, PA, Conv2dCL, ConvDownsample, ConvStem, ConvStem2L,
                                       L2ViTStem, MemoryPolicy, Mlp, ResTPatchEmbed, ResTStem, set_memory_policy)
@@ -164,7 +164,7 @@ def test_lcm_and_cpe_in_place():
 # ---- whole backbones in eval mode --------------------------------------------------------------
 BACKBONES = {
     'hvit3': lambda: HViT3(arch=TINY_HVIT3, drop_path_rate=0.),
-    'vit3': lambda: ViT3(arch=dict(embed_dims=32, num_layers=2, num_heads=2), patch_size=8),
+    'vit3': lambda: ViT3(arch=TINY_VIT3, patch_size=8),
     'l2vit': lambda: L2ViT(arch=TINY_L2VIT, drop_path_rate=0.),
     'l2vit_masked': lambda: L2ViT(arch=TINY_L2VIT, drop_path_rate=0., mask_window_padding=True),
     'rest': lambda: ResT(arch=TINY_REST, drop_path_rate=0.),

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from conftest import TINY_L2VIT, TINY_REST, nbytes, saved_for_backward
+from conftest import TINY_L2VIT, TINY_REST, TINY_VIT3, nbytes, saved_for_backward
 from mmplugin_l2 import L2ViT, ResT, ViT3
 from mmplugin_l2.models.layers import ConvMlp, Mlp
 from mmplugin_l2.models.layers.mlp import norm_mlp_branch
@@ -427,7 +427,7 @@ def test_backbones_under_autocast_in_pieces(dtype, name):
     """Whole backbones (stems, LCM, MLPs) in eval mode under CPU autocast with every piece path forced
     (max_elems 2**8 at 64 x 64, 2**14 at 224 x 224 crashed the Mlp's pieces before): close to fp32 whole maps."""
     torch.manual_seed(0)
-    m = {'vit3': lambda: ViT3(arch=dict(embed_dims=32, num_layers=2, num_heads=2), patch_size=8),
+    m = {'vit3': lambda: ViT3(arch=TINY_VIT3, patch_size=8),
          'l2vit': lambda: L2ViT(arch=TINY_L2VIT, drop_path_rate=0.),
          'rest': lambda: ResT(arch=TINY_REST, drop_path_rate=0.)}[name]().eval()
     x = torch.randn(1, 3, 64, 64)
