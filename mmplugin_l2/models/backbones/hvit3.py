@@ -152,8 +152,6 @@ class HViT3(PyramidBackbone):
         x = self.run_chain(self.patch_embed, x)
         outs = []
         for i, stage in enumerate(self.layers):
-            if i:
-                stage_boundary()
             x = self._forward_stage(i, stage, x, outs)
         return tuple(outs)
 
@@ -166,6 +164,7 @@ class HViT3(PyramidBackbone):
         and W are then the map's sizes and the token count is H * W. With (H, W) as separate integers inductor
         (torch 2.14) fails to order the strides of the token map's views ("cannot determine truth value of
         Relational"), docs/deployment.md."""
+        stage_boundary()
         hw = tuple(x.shape[-2:])
         x = map_to_tokens(x)
         if i == 0:

@@ -194,18 +194,28 @@ class L2ViT(PyramidBackbone):
             nn.ModuleList([self.downsample_layers[i], self.stages[i]]) for i in range(1, self.num_stages)]
 
     def forward(self, x):
-        outs = []
+        outs, hw = [], None
         for i in range(self.num_stages):
-            if i == 0:
-                x, hw = self.run_chain(self.downsample_layers[0], x)
-            else:
-                stage_boundary()
-                x, hw = self.run_chain(self.downsample_layers[i], x, hw)
-            for block in self.stages[i]:
-                x = self.run_block(block, x, hw)
-            if i in self.out_indices:
-                outs.append(self.stage_output(i, x, hw))
+            x, hw = self._downsample(i, x, hw)
+            x = self._forward_blocks(i, x, hw, outs)
         return tuple(outs)
+
+    def _downsample(self, i, x, hw):
+        """Stage i's downsampling: the stem on the image x for i = 0, else the layer on the tokens x of the map
+        hw. Returns the tokens and their (H, W)."""
+        stage_boundary()
+        return self.run_chain(self.downsample_layers[0], x) if i == 0 else self.run_chain(
+            self.downsample_layers[i], x, hw)
+
+    def _forward_blocks(self, i, x, hw, outs):
+        """Stage i's blocks on the tokens x of the map hw, `stage_output` appended to `outs` when i is an output
+        index; returns the tokens."""
+        stage_boundary()
+        for block in self.stages[i]:
+            x = self.run_block(block, x, hw)
+        if i in self.out_indices:
+            outs.append(self.stage_output(i, x, hw))
+        return x
 
     # ---- checkpoints --------------------------------------------------------------------------
     def _final_norm_name(self):

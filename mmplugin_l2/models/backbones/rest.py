@@ -160,21 +160,31 @@ class ResT(PyramidBackbone):
         x = self.run_chain(self.patch_embed, x)
         outs = []
         for i, stage in enumerate(self.layers):
-            if i:
-                stage_boundary()
             if stage.patch_embed is not None:
-                x = self.run_chain(stage.patch_embed, x)
-            hw = tuple(x.shape[-2:])  # from the conv output: any input size works
-            t = map_to_tokens(x)
-            for block in stage.blocks:
-                t = self.run_block(block, t, hw)
-            x = tokens_to_map(t, hw)
-            if i in self.out_indices:
-                y = self.stage_output(i, t, hw)
-                outs.append(y)
-                if self.norm_in_path:
-                    x = y
+                x = self._patch_embed(stage, x)
+            x = self._forward_stage(i, stage, x, outs)
         return tuple(outs)
+
+    def _patch_embed(self, stage, x):
+        """A stage's patch embedding (stages 1-3) on the map x."""
+        stage_boundary()
+        return self.run_chain(stage.patch_embed, x)
+
+    def _forward_stage(self, i, stage, x, outs):
+        """Stage i's blocks on the map x (B, C, H, W), `stage_output` appended to `outs` when i is an output
+        index; returns the stage's output map."""
+        stage_boundary()
+        hw = tuple(x.shape[-2:])  # from the conv output: any input size works
+        t = map_to_tokens(x)
+        for block in stage.blocks:
+            t = self.run_block(block, t, hw)
+        x = tokens_to_map(t, hw)
+        if i in self.out_indices:
+            y = self.stage_output(i, t, hw)
+            outs.append(y)
+            if self.norm_in_path:
+                x = y
+        return x
 
     # ---- weights ---------------------------------------------------------------------------
     def _last_norm(self):

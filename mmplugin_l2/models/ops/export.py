@@ -57,12 +57,15 @@ def compiling():
 
 
 def stage_boundary():
-    """Called by the backbones between two stages. Under `torch.compile` (not torch.export) it is a graph
-    break: the next stage's map size becomes a fresh symbol instead of a nested ceil / floor division of the
-    input size. With `dynamic=True` those nested expressions (stem, padding to the window size, four
-    stride-2 downsamplings) made the compiler's shape reasoning very slow (docs/deployment.md); with the breaks
-    a second input size reuses the graphs. A no-op everywhere else
-    (eager, ONNX export, torch.export). `torch.compile(fullgraph=True)` is therefore not supported."""
+    """Called by the backbones as the first statement of each function that runs a stage (or its downsampling).
+    Under `torch.compile` (not torch.export) it is a graph break: the stage is compiled as its own frame and its
+    map size becomes a fresh symbol instead of a nested ceil / floor division of the input size. With
+    `dynamic=True` those nested expressions (stem, padding to the window size, four stride-2 downsamplings) made
+    the compiler's shape reasoning very slow (docs/deployment.md); with the breaks a second input size reuses the
+    graphs. First in its function, the break comes before anything is traced there: dynamo restarts a frame's
+    analysis at a graph break, so a break after a stage's layers in the same frame would trace them twice. A
+    no-op everywhere else (eager, ONNX export, torch.export). `torch.compile(fullgraph=True)` is therefore not
+    supported."""
     compiler = getattr(torch, 'compiler', None)
     if compiler is not None and compiler.is_compiling() and not compiler.is_exporting():
         torch._dynamo.graph_break()
