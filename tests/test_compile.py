@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST
+from conftest import TINY_HVIT3, TINY_L2VIT, TINY_REST, TINY_VIT3
 from mmplugin_l2.models.backbones import HViT3, L2ViT, ResT, ViT3
 
 
@@ -40,7 +40,7 @@ def _stages(arch, depths):
 #: layer: the time goes into tracing and code generation, which grow with the blocks
 BUILDERS = {
     'hvit3': lambda **kw: HViT3(arch=_stages(TINY_HVIT3, [1, 0]), out_indices=(0, 1), drop_path_rate=0., **kw),
-    'vit3': lambda **kw: ViT3(arch=dict(embed_dims=32, num_layers=1, num_heads=2), out_indices=(0,), **kw),
+    'vit3': lambda **kw: ViT3(arch=dict(TINY_VIT3, num_layers=1), out_indices=(0,), **kw),
     'l2vit': lambda **kw: L2ViT(arch=_stages(TINY_L2VIT, [2, 0]), out_indices=(0, 1), drop_path_rate=0., **kw),
     'rest': lambda **kw: ResT(arch=dict(TINY_REST, depths=[1, 1, 0, 1]), drop_path_rate=0., **kw),
 }

@@ -184,7 +184,7 @@ def test_build_from_each_registry(scope):
     registry = importlib.import_module(f'{scope}.registry').MODELS
     m = registry.build(dict(type='HViT3', arch=TINY_HVIT3, out_indices=(2, 3)))
     assert isinstance(m, HViT3)
-    v = registry.build(dict(type='ViT3', arch=dict(embed_dims=32, num_layers=1, num_heads=2)))
+    v = registry.build(dict(type='ViT3', arch=dict(TINY_VIT3, num_layers=1)))
     assert isinstance(v, ViT3)
 
 

@@ -204,8 +204,7 @@ class L2ViT(PyramidBackbone):
         """Stage i's downsampling: the stem on the image x for i = 0, else the layer on the tokens x of the map
         hw. Returns the tokens and their (H, W)."""
         stage_boundary()
-        return self.run_chain(self.downsample_layers[0], x) if i == 0 else self.run_chain(
-            self.downsample_layers[i], x, hw)
+        return self.run_chain(self.downsample_layers[i], x, *(() if i == 0 else (hw,)))
 
     def _forward_blocks(self, i, x, hw, outs):
         """Stage i's blocks on the tokens x of the map hw, `stage_output` appended to `outs` when i is an output
