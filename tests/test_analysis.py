@@ -432,20 +432,27 @@ def test_run_under_the_caching_allocator_records_it(tmp_path):
 
 
 def test_detector_iteration_under_bf16(tmp_path):
-    """A whole detector's training iteration (`mask_rcnn_hvit3_t`, our config, 128x160, batch 1): under bf16
-    autocast mmcv's RoIAlign has no bf16 kernel, so the iteration stops at the first RoI unless
-    `mmcv_ops_in_fp32` runs it in fp32; with it the loss is finite, every trainable parameter that took part
-    gets a gradient, and the benchmark measures it (its `train` kind), the RoI features in bf16; overrides of
-    the backbone's arguments reach the detector's backbone (here `fast_compile=False`: no compilation in this
-    test)."""
+    """A whole detector's training iteration (`mask_rcnn_hvit3_t`, our config, 128x160, batch 1, at the tiny
+    widths of `narrow_detector`): under bf16 autocast mmcv's RoIAlign has no bf16 kernel, so the iteration stops
+    at the first RoI unless `mmcv_ops_in_fp32` runs it in fp32; with it the loss is finite, every trainable
+    parameter that took part gets a gradient, and the benchmark measures it (its `train` kind, `tiny` honoured),
+    the RoI features in bf16; overrides of the backbone's arguments reach the detector's backbone (here
+    `fast_compile=False`: no compilation in this test)."""
     import torch
     from mmplugin_l2.analysis import benchmark as bm
     from mmplugin_l2.analysis.measure import model_loss, precision
     from mmplugin_l2.analysis.models import build_detector, is_detector, mmcv_ops_in_fp32
+    from mmplugin_l2.analysis.table import TINY, TINY_DETECTOR_WIDTH
     assert is_detector('mask_rcnn_hvit3_t') and is_detector('mask_rcnn_hvit3_t@authors')
     assert not is_detector('hvit3_t') and not is_detector('hvit3_t@authors')
-    model, data = build_detector('mask_rcnn_hvit3_t', (128, 160), 1, extra_cfg=dict(fast_compile=False))
+    model, data = build_detector('mask_rcnn_hvit3_t', (128, 160), 1, extra_cfg=dict(fast_compile=False), tiny=True)
     assert model.backbone.with_cp and type(model).__name__ == 'MaskRCNN'
+    widths = TINY['HViT3']['arch']['embed_dims']
+    assert model.backbone.arch_settings['embed_dims'] == widths and model.neck.in_channels == widths
+    assert model.roi_head.bbox_head.fc_out_channels == 4 * TINY_DETECTOR_WIDTH
+    assert model.roi_head.mask_head.conv_out_channels == TINY_DETECTOR_WIDTH
+    swin = build_detector('mask_rcnn_swin_t', (64, 96), 1, tiny=True)[0]  # mmdet's backbone: its TINY widths too
+    assert swin.neck.in_channels == [16, 32, 64, 128] and swin.neck.out_channels == TINY_DETECTOR_WIDTH
     assert not any(getattr(m, 'fast_compile', False) for m in model.backbone.modules())
     model.train()
     with pytest.raises((RuntimeError, NotImplementedError), match='BFloat16'):
@@ -462,8 +469,9 @@ def test_detector_iteration_under_bf16(tmp_path):
     import mmcv.ops.roi_align  # noqa: F401
     assert sys.modules['mmcv.ops.roi_align'].RoIAlign.forward.__qualname__ == 'RoIAlign.forward'   # restored
     s = bm.measure(dict(model='mask_rcnn_hvit3_t', kind='train', size=[128, 160], batch=1, warmup=0, iters=1,
-                        device='cpu', precision='bf16', cfg=dict(fast_compile=False)))
+                        device='cpu', precision='bf16', cfg=dict(fast_compile=False), tiny=True))
     assert s['step_ms'] > 0 and s['precision'] == 'bf16' and len(s['steps']) == 1
+    assert s['params'] == sum(p.numel() for p in model.parameters())  # the tiny detector
     with pytest.raises(ValueError, match='only its training iteration'):
         bm.measure(dict(s, kind='infer', size=[128, 160], warmup=0, iters=1, device='cpu'))
 

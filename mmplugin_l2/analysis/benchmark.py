@@ -172,7 +172,8 @@ def measure(spec):
             precision ('fp32' (TF32 off, the default) | 'tf32' | 'bf16', optional; recorded when not fp32),
             allocator (measure.ALLOCATORS, optional: the one this process was started under, checked; recorded
             when not glibc),
-            tiny (bool, optional: narrow widths, a smoke test), cfg (dict, optional: overrides of our
+            tiny (bool, optional: narrow widths, a smoke test; a detector's neck and heads
+            too, `models.narrow_detector`), cfg (dict, optional: overrides of our
             backbone's arguments (`models.is_ours`; the other models, the authors' included, are built as they
             are), recorded in the samples of the models it applied to).
     """
@@ -187,7 +188,8 @@ def measure(spec):
         if spec['kind'] != 'train':
             raise ValueError(f'{spec["model"]} is a whole detector: only its training iteration is measured '
                              f'(kind train), not {spec["kind"]!r}')
-        model, x = build_detector(spec['model'], size, batch, spec.get('authors_roots'), dev, cfg)
+        model, x = build_detector(spec['model'], size, batch, spec.get('authors_roots'), dev, cfg,
+                                  tiny=spec.get('tiny', False))
     else:
         model = build(spec['model'], cfg, size=size, authors_roots=spec.get('authors_roots'),
                       tiny=spec.get('tiny', False)).to(dev)

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from . import authors
 from .table import (AUTHORS_TAG, DETECTOR_AUTHORS, DETECTORS, LABELS, MODELS, PLAIN_ATTENTION,  # noqa: F401
-                    TINY, authors_base, build_ours, is_ours, label)
+                    TINY, TINY_DETECTOR_WIDTH, authors_base, build_ours, is_ours, label)
 
 
 def check_name(name, authors_roots=None):
@@ -69,12 +69,13 @@ def mmcv_ops_in_fp32():
         roi_align.RoIAlign.forward, nms.NMSop.forward = roi_forward, staticmethod(nms_forward)
 
 
-def build_detector(name, size, batch, authors_roots=None, device='cpu', extra_cfg=None):
+def build_detector(name, size, batch, authors_roots=None, device='cpu', extra_cfg=None, tiny=False):
     """The whole detector `name` (`is_detector`) built from its config with random weights (no pretrained
     backbone), and one training batch for it: `batch` random (3, H, W) images with random boxes and masks
     (mmdet.testing.demo_mm_inputs, 80 classes, 5 objects each), run through the config's data preprocessor (which
     moves it to `device`, where the model goes). `extra_cfg`: overrides of the config's backbone arguments (ours,
-    not the authors' backbone of `<name>@authors`).
+    not the authors' backbone of `<name>@authors`). `tiny`: a smoke test's detector, the same parts at narrow
+    widths (`narrow_detector`).
 
     Returns:
         tuple: (model, the preprocessed batch as `model(**batch, mode='loss')` takes it).
@@ -91,12 +92,38 @@ def build_detector(name, size, batch, authors_roots=None, device='cpu', extra_cf
     cfg.model.backbone.init_cfg = None
     if extra_cfg and base == name:
         cfg.model.backbone.update(extra_cfg)
+    if tiny:
+        narrow_detector(cfg.model, backbone=base == name)
     model = REG.build(cfg.model)
     if base != name:
         model.backbone = build(DETECTOR_AUTHORS[base] + AUTHORS_TAG, size=size, authors_roots=authors_roots)
     model.to(device)
     raw = demo_mm_inputs(batch, [(3, *size)] * batch, num_items=[5] * batch, num_classes=80, with_mask=True)
     return model, model.data_preprocessor(raw, True)
+
+
+def narrow_detector(model_cfg, backbone=True):
+    """Narrow a two-stage detector's config (`model_cfg`, Mask R-CNN's keys) in place: the neck and every head
+    TINY_DETECTOR_WIDTH channels wide (the box head's fully connected layers 4x), and, where `backbone`, the
+    backbone at its TINY widths with the neck's inputs following them (otherwise, as for the authors' backbone
+    put in afterwards, the backbone keeps its widths). The same layer types, losses, samplers and RoI counts."""
+    from mmdet.registry import MODELS as REG
+    w = TINY_DETECTOR_WIDTH
+    if backbone:
+        kind = model_cfg.backbone['type']
+        model_cfg.backbone.update(TINY.get(kind, TINY.get(f'mmdet.{kind}', {})))
+        probe = REG.build(model_cfg.backbone)
+        probe.eval()  # (mmdet's Swin's train() returns None)
+        with torch.no_grad():
+            model_cfg.neck.in_channels = [o.shape[1] for o in probe(torch.zeros(1, 3, 64, 64))]
+    model_cfg.neck.out_channels = w
+    model_cfg.rpn_head.update(in_channels=w, feat_channels=w)
+    roi = model_cfg.roi_head
+    roi.bbox_roi_extractor.out_channels = roi.bbox_head.in_channels = w
+    roi.bbox_head.fc_out_channels = 4 * w
+    if 'mask_head' in roi:
+        roi.mask_roi_extractor.out_channels = roi.mask_head.in_channels = w
+        roi.mask_head.conv_out_channels = w
 
 
 def _plain_attention_(model):

@@ -49,6 +49,9 @@ TINY = {
     'timm:swin_tiny_patch4_window7_224': dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 1, 2, 2)),
     'timm:deit_tiny_patch16_224': dict(embed_dim=32, depth=2, num_heads=2),
 }
+#: the channels of a tiny detector's neck and heads (`build_detector(..., tiny=True)`); its box head's
+#: fully connected layers are four times as wide
+TINY_DETECTOR_WIDTH = 16
 
 #: whole detectors of the benchmark's `train` kind (one training iteration of the config's model, data loading
 #: excluded): name -> (config, how the tables name it). `<name>@authors` (where DETECTOR_AUTHORS names a backbone)
