@@ -1,6 +1,8 @@
 """Numerics off the fp32 path (docs/mixed_precision.md): ResT's well-conditioned EMSA against float64 and
 across batch sizes, fp16 / bf16 autocast and half-precision weights of every backbone against fp32, gradients
 under autocast, and the sums over all tokens that would leave fp16's range at detection sizes."""
+import copy
+
 import pytest
 import torch
 
@@ -127,8 +129,13 @@ def test_fp32_training_gradients_against_float64(name):
 @pytest.mark.parametrize('name', BACKBONES)
 def test_gradients_under_autocast_are_finite_and_close(name):
     """One training step under bf16 / fp16 autocast. The error is dominated by the conv + BatchNorm stems
-    (train-mode BN removes most of the conv output gradient, what is left carries bf16 rounding)."""
-    m = model(name)
+    (train-mode BN removes most of the conv output gradient, what is left carries bf16 rounding). The TTT layers
+    take their eager fast paths (`fast_compile` off): the compiled cores' error under bf16 autocast, at H-ViT3's
+    head width, is tests/ops/test_ttt_compiled.py's, without compiling every stage's width here."""
+    m = copy.deepcopy(model(name))
+    for layer in m.modules():
+        if isinstance(layer, TTTAttention):
+            layer.fast_compile = False
     x = images(1, 64, 96)
     for dtype, bound in ((torch.bfloat16, 0.35), (torch.float16, 0.12)):
         (err,) = grad_error(m, x, dtype)
