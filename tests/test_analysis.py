@@ -451,6 +451,9 @@ def test_detector_iteration_under_bf16(tmp_path):
     assert model.backbone.arch_settings['embed_dims'] == widths and model.neck.in_channels == widths
     assert model.roi_head.bbox_head.fc_out_channels == 4 * TINY_DETECTOR_WIDTH
     assert model.roi_head.mask_head.conv_out_channels == TINY_DETECTOR_WIDTH
+    arch = dict(TINY['HViT3']['arch'], embed_dims=[16, 32, 48, 64])  # overrides win over TINY, the neck follows
+    other = build_detector('mask_rcnn_hvit3_t', (64, 96), 1, extra_cfg=dict(arch=arch), tiny=True)[0]
+    assert other.backbone.arch_settings['embed_dims'] == other.neck.in_channels == [16, 32, 48, 64]
     swin = build_detector('mask_rcnn_swin_t', (64, 96), 1, tiny=True)[0]  # mmdet's backbone: its TINY widths too
     assert swin.neck.in_channels == [16, 32, 64, 128] and swin.neck.out_channels == TINY_DETECTOR_WIDTH
     assert not any(getattr(m, 'fast_compile', False) for m in model.backbone.modules())

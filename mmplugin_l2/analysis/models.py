@@ -90,10 +90,11 @@ def build_detector(name, size, batch, authors_roots=None, device='cpu', extra_cf
     cfg = load_config(DETECTORS[base][0])
     init_default_scope('mmdet')
     cfg.model.backbone.init_cfg = None
-    if extra_cfg and base == name:
-        cfg.model.backbone.update(extra_cfg)
+    if base == name:  # TINY first, the overrides last (as `build`)
+        kind = cfg.model.backbone['type']
+        cfg.model.backbone.update(TINY.get(kind, TINY.get(f'mmdet.{kind}', {})) if tiny else {}, **(extra_cfg or {}))
     if tiny:
-        narrow_detector(cfg.model, backbone=base == name)
+        narrow_detector(cfg.model, follow_backbone=base == name)
     model = REG.build(cfg.model)
     if base != name:
         model.backbone = build(DETECTOR_AUTHORS[base] + AUTHORS_TAG, size=size, authors_roots=authors_roots)
@@ -102,16 +103,15 @@ def build_detector(name, size, batch, authors_roots=None, device='cpu', extra_cf
     return model, model.data_preprocessor(raw, True)
 
 
-def narrow_detector(model_cfg, backbone=True):
+def narrow_detector(model_cfg, follow_backbone=True):
     """Narrow a two-stage detector's config (`model_cfg`, Mask R-CNN's keys) in place: the neck and every head
-    TINY_DETECTOR_WIDTH channels wide (the box head's fully connected layers 4x), and, where `backbone`, the
-    backbone at its TINY widths with the neck's inputs following them (otherwise, as for the authors' backbone
-    put in afterwards, the backbone keeps its widths). The same layer types, losses, samplers and RoI counts."""
+    TINY_DETECTOR_WIDTH channels wide (the box head's fully connected layers 4x), the same layer types, losses,
+    samplers and RoI counts. With `follow_backbone` the neck's inputs are the widths of the config's backbone
+    (built once to see them; `build_detector` narrows ours and mmdet's to their TINY widths), else they stay (the
+    authors' backbone, put in afterwards, keeps its widths)."""
     from mmdet.registry import MODELS as REG
     w = TINY_DETECTOR_WIDTH
-    if backbone:
-        kind = model_cfg.backbone['type']
-        model_cfg.backbone.update(TINY.get(kind, TINY.get(f'mmdet.{kind}', {})))
+    if follow_backbone:
         probe = REG.build(model_cfg.backbone)
         probe.eval()  # (mmdet's Swin's train() returns None)
         with torch.no_grad():
