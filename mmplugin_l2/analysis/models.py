@@ -91,8 +91,10 @@ def build_detector(name, size, batch, authors_roots=None, device='cpu', extra_cf
     init_default_scope('mmdet')
     cfg.model.backbone.init_cfg = None
     if base == name:  # TINY first, the overrides last (as `build`)
-        kind = cfg.model.backbone['type']
-        cfg.model.backbone.update(TINY.get(kind, TINY.get(f'mmdet.{kind}', {})) if tiny else {}, **(extra_cfg or {}))
+        if tiny:
+            kind = cfg.model.backbone['type']  # mmdet's config names Swin without its scope
+            cfg.model.backbone.update(TINY.get(kind, TINY.get(f'mmdet.{kind}', {})))
+        cfg.model.backbone.update(extra_cfg or {})
     if tiny:
         narrow_detector(cfg.model, follow_backbone=base == name)
     model = REG.build(cfg.model)
