@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import mmplugin_l2.models.ops.emsa.reference as emsa_ref
+import mmplugin_l2.models.layers.ttt as ttt_layer
 import mmplugin_l2.models.ops.ttt as ttt_op
 import mmplugin_l2.models.ops.ttt.pieces as ttt_pieces
 import mmplugin_l2.models.ops.window_attention.reference as wa_ref
@@ -18,6 +19,7 @@ from mmplugin_l2.models.layers import EMSA, TTTAttention, WindowAttention, rope_
 from mmplugin_l2.models.ops.checkpoint import PRODUCTS
 from mmplugin_l2.models.ops.emsa import emsa_attention_reference
 from mmplugin_l2.models.ops.emsa.reference import apply_map, centred_keys, softmax_map
+from mmplugin_l2.models.ops.ttt import ttt_attention
 from mmplugin_l2.models.ops.window_attention import sdpa_batch_slices, sdpa_in_slices
 from ops.harness import assert_matches_reference
 
@@ -96,43 +98,62 @@ def _ttt_case():
     return layer, x, rope_tables(8, 8, 32)
 
 
-def _run_ttt(layer, x, rot, mode):
-    """The layer in `mode`: 'train' (TTTCore), 'reference' (plain autograd) or 'inference' (pieces, no grad)."""
+#: mode -> the path `choose` gives the layer under bf16 autocast on CPU, and without autocast: 'train' (`fast_compile`
+#: off) TTTCore, recomputing by autograd under bf16 (`TTT`'s train path is not declared for it) and with its
+#: closed-form backward in float64; 'compiled' the compiled core where `TTT` declares it (bf16 autocast on CPU)
+TTT_MODES = dict(train=('checkpoint', 'train'), compiled=('compiled', 'train'), reference=('reference', 'reference'),
+                 inference=('inference', 'inference'))
+
+
+def _run_ttt(layer, x, rot, mode, monkeypatch):
+    """The layer in `mode`: 'train' (TTTCore), 'compiled' (the compiled core where `TTT` declares it, else
+    TTTCore), 'reference' (plain autograd) or 'inference' (pieces, no grad); the path `choose` gave it is checked
+    (`TTT_MODES`)."""
     layer.train(mode != 'inference')
-    layer.fast_train = mode == 'train'
+    layer.fast_train = mode in ('train', 'compiled')
+    layer.fast_compile = mode == 'compiled'
+    taken = []
+
+    def record(*args):
+        taken.append(args[-1].impl)
+        return ttt_attention(*args)
+    monkeypatch.setattr(ttt_layer, 'ttt_attention', record)
     with torch.set_grad_enabled(mode != 'inference'):
-        return layer(x, (8, 8), rot)
+        out = layer(x, (8, 8), rot)
+    want = TTT_MODES[mode][0 if torch.is_autocast_enabled('cpu') else 1]
+    assert [str(t) for t in taken] == [want], (mode, taken)
+    return out
 
 
-@pytest.mark.parametrize('mode', ['train', 'reference', 'inference'])
-def test_ttt_output_reaches_proj_in_the_autocast_dtype(mode):
+@pytest.mark.parametrize('mode', list(TTT_MODES))
+def test_ttt_output_reaches_proj_in_the_autocast_dtype(mode, monkeypatch):
     """Under bf16 autocast the TTT core's output goes into `proj` as bf16 (no fp32 copy of the (B, N, C + d)
     output that autocast casts straight back); without autocast in the weights' dtype as before."""
     layer, x, rot = _ttt_case()
     seen = []
     layer.proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
     with torch.autocast('cpu', dtype=torch.bfloat16):
-        out = _run_ttt(layer, x, rot, mode)
+        out = _run_ttt(layer, x, rot, mode, monkeypatch)
     assert seen and set(seen) == {torch.bfloat16}
     assert out.dtype == torch.bfloat16
     seen.clear()
-    _run_ttt(layer.double(), x.double(), rot, mode)
+    _run_ttt(layer.double(), x.double(), rot, mode, monkeypatch)
     assert set(seen) == {torch.float64}
 
 
-@pytest.mark.parametrize('mode', ['train', 'reference', 'inference'])
+@pytest.mark.parametrize('mode', list(TTT_MODES))
 def test_ttt_autocast_result_unchanged_and_close_to_float64(monkeypatch, mode):
     """Dropping the round trip changes no value: the bf16-autocast output equals the one with the fp32 round
     trip bit for bit (its error against float64 is therefore the same), and that error is bf16-sized."""
     layer, x, rot = _ttt_case()
     with torch.autocast('cpu', dtype=torch.bfloat16):
-        out = _run_ttt(layer, x, rot, mode).float()
+        out = _run_ttt(layer, x, rot, mode, monkeypatch).float()
     for mod in (ttt_op, ttt_pieces):
         monkeypatch.setattr(mod, 'proj_input', lambda y, proj: y.to(proj.weight.dtype))
     with torch.autocast('cpu', dtype=torch.bfloat16):
-        before = _run_ttt(layer, x, rot, mode).float()
+        before = _run_ttt(layer, x, rot, mode, monkeypatch).float()
     assert torch.equal(out, before)
-    ref = _run_ttt(layer.double(), x.double(), rot, mode)
+    ref = _run_ttt(layer.double(), x.double(), rot, mode, monkeypatch)
     err = (out.double() - ref).abs().max() / ref.abs().max()
     assert err < 3e-2, err
 
