@@ -19,9 +19,8 @@ from mmplugin_l2.models.layers import EMSA, TTTAttention, WindowAttention, rope_
 from mmplugin_l2.models.ops.checkpoint import PRODUCTS
 from mmplugin_l2.models.ops.emsa import emsa_attention_reference
 from mmplugin_l2.models.ops.emsa.reference import apply_map, centred_keys, softmax_map
-from mmplugin_l2.models.ops.ttt import ttt_attention
 from mmplugin_l2.models.ops.window_attention import sdpa_batch_slices, sdpa_in_slices
-from ops.harness import assert_matches_reference
+from ops.harness import assert_matches_reference, record_calls
 
 
 def _sdpa_calls(monkeypatch):
@@ -112,14 +111,10 @@ def _run_ttt(layer, x, rot, mode, monkeypatch):
     layer.train(mode != 'inference')
     layer.fast_train = mode in ('train', 'compiled')
     layer.fast_compile = mode == 'compiled'
-    taken = []
-
-    def record(*args):
-        taken.append(args[-1].impl)
-        return ttt_attention(*args)
-    monkeypatch.setattr(ttt_layer, 'ttt_attention', record)
+    calls = record_calls(monkeypatch, ttt_layer, ttt_attention='ttt_attention')
     with torch.set_grad_enabled(mode != 'inference'):
         out = layer(x, (8, 8), rot)
+    taken = [args[-1].impl for _, args in calls]
     want = TTT_MODES[mode][0 if torch.is_autocast_enabled('cpu') else 1]
     assert taken == [want], (mode, taken)
     return out
