@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from . import authors
 from .table import (AUTHORS_TAG, DETECTOR_AUTHORS, DETECTORS, LABELS, MODELS, PLAIN_ATTENTION,  # noqa: F401
-                    TINY, TINY_DETECTOR_WIDTH, authors_base, build_ours, is_ours, label)
+                    TINY, TINY_DETECTOR_WIDTH, authors_base, build_ours, configure, is_ours, label)
 
 
 def check_name(name, authors_roots=None):
@@ -90,11 +90,8 @@ def build_detector(name, size, batch, authors_roots=None, device='cpu', extra_cf
     cfg = load_config(DETECTORS[base][0])
     init_default_scope('mmdet')
     cfg.model.backbone.init_cfg = None
-    if base == name:  # TINY first, the overrides last (as `build`)
-        if tiny:
-            kind = cfg.model.backbone['type']  # mmdet's config names Swin without its scope
-            cfg.model.backbone.update(TINY.get(kind, TINY.get(f'mmdet.{kind}', {})))
-        cfg.model.backbone.update(extra_cfg or {})
+    if base == name:
+        configure(cfg.model.backbone, extra_cfg, tiny)
     if tiny:
         narrow_detector(cfg.model, follow_backbone=base == name)
     model = REG.build(cfg.model)
@@ -188,10 +185,7 @@ def build(name, extra_cfg=None, size=None, authors_roots=None, tiny=False):
         return authors.build(base, authors_roots[authors.AUTHORS[base][0]])
     if is_ours(name):
         return build_ours(name, extra_cfg, tiny)
-    cfg = dict(MODELS[name])
-    if tiny:
-        cfg.update(TINY.get(cfg['type'], {}))
-    cfg.update(extra_cfg or {})
+    cfg = configure(dict(MODELS[name]), extra_cfg, tiny)
     if cfg['type'] == 'timm':
         return _build_timm(cfg, size, tiny)
     import mmplugin_l2  # noqa: F401

@@ -105,10 +105,18 @@ def is_ours(name):
     return name in MODELS and '.' not in MODELS[name]['type'] and MODELS[name]['type'] != 'timm'
 
 
+def configure(cfg, extra_cfg=None, tiny=False):
+    """A backbone config `cfg` (dict-like, updated in place and returned) as the analysis tools build it: TINY's
+    narrow widths for its type where `tiny` (a type named without its scope, as mmdet's configs name Swin, found
+    under `mmdet.`), then `extra_cfg`, whose keys win."""
+    if tiny:
+        kind = cfg['type']
+        cfg.update(TINY.get(kind, TINY.get(f'mmdet.{kind}', {})))
+    cfg.update(extra_cfg or {})
+    return cfg
+
+
 def build_ours(name, extra_cfg=None, tiny=False):
     """One of our backbones (a MODELS key of type HViT3 / ViT3 / L2ViT / ResT), without mmdet's registry."""
-    cfg = dict(MODELS[name])
-    if tiny:
-        cfg.update(TINY.get(cfg['type'], {}))
-    cfg.update(extra_cfg or {})
+    cfg = configure(dict(MODELS[name]), extra_cfg, tiny)
     return getattr(backbones, cfg.pop('type'))(**cfg)
