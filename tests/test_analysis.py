@@ -597,6 +597,30 @@ def test_authors_import_glue_parity_and_worker(tmp_path, monkeypatch):
     authors.check_size('hvit3_t', (200, 201))
 
 
+def test_profile_ops_profiles_the_authors_code(tmp_path, capsys):
+    """`profile_ops.py --model <ours>@authors --authors-code FAMILY=PATH` (a stand-in checkout, laid out like theirs)
+    profiles their backbone: rows of its layers, what it keeps for backward; the same model as the one the benchmark
+    builds. Without the checkout, narrowed (`--tiny`: their code has no narrow widths) or with a whole detector it
+    says what is wrong (exit status 2)."""
+    import importlib.util
+    root = _fake_checkout(tmp_path / 'ViTTT', 'ViTTT', FAKE_VITTT)
+    spec = importlib.util.spec_from_file_location('_profile_ops_cli', f'{ROOT}/tools/analysis/profile_ops.py')
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    res = cli.main(['--model', 'hvit3_t@authors', '--authors-code', f'ViTTT={root}', '--size', '64', '--warmup', '0'])
+    assert res['model'] == 'hvit3_t@authors' and res['kept_bytes'] > 0
+    assert any(r['op'].endswith('/ TTTBlock') or 'Attention' in r['op'] for r in res['rows']), res['rows']
+    assert 'hvit3_t@authors 64x64, batch 1, train' in capsys.readouterr().out
+    for args, message in ((['--model', 'hvit3_t@authors'], 'pass --authors-code ViTTT=PATH'),
+                          (['--model', 'hvit3_t@authors', '--authors-code', f'ViTTT={root}', '--tiny'],
+                           'the authors\' code has no narrow widths'),
+                          (['--model', 'mask_rcnn_hvit3_t'], 'a whole detector')):
+        with pytest.raises(SystemExit) as e:
+            cli.parse_args(args)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err, err
+
+
 # ---- the measuring core (mmplugin_l2/analysis/measure.py) ----------------------------------------------------
 
 def test_timer_counts_warmup_and_timed_calls_and_reports_milliseconds():
@@ -967,9 +991,9 @@ def test_op_profile_table_says_compiled_paths_ran_eagerly():
         fn(x)
     assert seen == ['sin', 'mul', 'cos'], seen
     row = dict(op='stage 1 / TTTAttention · TTT', calls=1, forward_ms=1., backward_ms=1., products={'fwd': {}},
-               paths={'TTT: compiled': 1, 'TTT: compiled in backward': 1})
+               paths={'TTT: compiled': 1, 'TTT: compiled in backward': 1}, kept_bytes=0)
     res = dict(kind='train', precision='bf16', plain=dict(forward_ms=1., backward_ms=1.),
-               instrumented=dict(forward_ms=1., backward_ms=1.), rows=[row])
+               instrumented=dict(forward_ms=1., backward_ms=1.), rows=[row], kept_bytes=0)
     md = opprofile.table(res)
     assert md.strip().splitlines()[-1].startswith('Compiled paths ran eagerly here') and \
         'the rows of stage 1 / TTTAttention · TTT time the eager code' in md
@@ -1010,6 +1034,46 @@ def test_op_profile_bounds_count_what_a_step_must_move_at_least():
     assert [k for k in rows if 'NORM_MLP' in k] and all(rows[k]['bound_ms'] is None for k in rows if 'NORM_MLP' in k)
     mlps = [k for k in rows if k.endswith('· MLP')]
     assert mlps and all(rows[k]['bound_ms'] > 0 for k in mlps)
+
+
+def test_op_profile_counts_what_the_step_keeps_for_backward():
+    """`kept_bytes` by hand on a Linear(8, 16) followed by a recomputed Linear(16, 16) -> GELU -> Linear(16, 4),
+    fp32 inputs (1, 3, 4, 8): the first keeps its input (384 B); the recomputed layer keeps its own input (768 B)
+    and, recomputed selectively (`keep_products`), its two products' outputs (768 B and 192 B) but not what it
+    recomputes (the GELU's input and output); recomputed whole, only its input, and the loss then keeps the
+    output (192 B, for its pow), which the selective recomputation had kept first. Parameters are not counted; the
+    table shows the column and the total."""
+    import torch
+    import torch.nn as nn
+    from mmplugin_l2.analysis import opprofile
+    from mmplugin_l2.models.ops import checkpoint
+
+    class Recomputed(nn.Sequential):
+        keep_products = True
+
+        def forward(self, x):
+            return checkpoint.checkpointed(super().forward, x, keep_products=self.keep_products)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 16)
+            self.b = Recomputed(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
+
+        def forward(self, x):
+            return (self.b(self.a(x)),)
+
+    model, x = Model(), torch.randn(1, 3, 4, 8)
+    assert checkpoint._KEPT_THROUGH_HOOKS  # the pinned torch passes the kept products through the hooks
+    for keep, want in ((True, {'a': 384, 'b': 768 + 768 + 192, 'other': 0}),
+                       (False, {'a': 384, 'b': 768, 'other': 192})):
+        model.b.keep_products = keep
+        res = opprofile.profile_ops(model, x, 'train', 'fp32', warmup=0, by='module')
+        kept = {r['modules'][0] if r['modules'] else r['op']: r['kept_bytes'] for r in res['rows']}
+        assert kept == want and res['kept_bytes'] == sum(want.values()), (keep, kept)
+        md = opprofile.table(res)
+        assert '| share | kept MB |' in md and f'kept for backward {sum(want.values()) / 2**20:.1f} MB' in md
+    assert 'kept' not in opprofile.table(opprofile.profile_ops(model, x, 'infer', 'fp32', warmup=0))
 
 
 def test_profile_ops_tool_prints_the_table(tmp_path, capsys, monkeypatch):

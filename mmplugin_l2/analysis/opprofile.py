@@ -33,6 +33,14 @@ dtypes its matrix products, convolutions and attention kernels ran in.
   that in training (recomputation not counted). `× bound` is the op's measured time over its bound: what a
   fused implementation could still gain at most. `other` and an op whose module holds other ops (e.g. a block
   that chooses its MLP branch's path, the branch's own ops then rows of their own) have no bound.
+* *Kept* (training): the bytes autograd keeps from the forward for the backward, per op: every tensor saved for
+  backward in the forward (`torch.autograd.graph.saved_tensors_hooks`: the autograd nodes' saved tensors, the
+  custom functions' `save_for_backward`, a recomputed region's inputs, and the outputs a selective recomputation
+  keeps, `ops.checkpoint.checkpointed(keep_products=True)`), counted once per storage (a view counts its whole
+  storage), parameters and buffers excluded, on the op that saved it first. What a recomputed region recomputes is
+  not kept, and nor is what a recomputation saves in backward (it lives while that backward runs). With the
+  step's outputs and the parameters' gradients this is most of a training step's peak above its start (the peak
+  itself: benchmark.py's `train` kind, `--allocator live`).
 """
 import collections
 import contextlib
@@ -126,6 +134,19 @@ class _Tracker:
         self.recorder = _Recorder(self.owner, device)
         self._leaf = torch.zeros((), requires_grad=True)
         self._model, self._hooks, self._names_of = model, [], {}
+        # module stack -> bytes kept for backward (storages saved in the forward, each once; not the model's own)
+        self.kept, self._kept_storages = collections.Counter(), set()
+        self._model_storages = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+
+    def _pack(self, t):
+        """saved_tensors_hooks' pack: count a storage saved in the forward on the op running now, once."""
+        if self.phase == 'forward' and not self.recorder.quiet:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr and ptr not in self._kept_storages and ptr not in self._model_storages:
+                self._kept_storages.add(ptr)   # alive until backward: its address is not reused meanwhile
+                self.kept[self.stack[-1]] += storage.nbytes()
+        return t
 
     def owner(self):
         """(module stack, phase) of the operator running now."""
@@ -210,7 +231,7 @@ class _Tracker:
         for m in patched:
             m.choose = wrapped
         try:
-            with self.recorder:
+            with self.recorder, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
                 yield self
         finally:
             for m in patched:
@@ -257,9 +278,10 @@ def profile_ops(model, x, kind='train', prec='fp32', warmup=1, by='group', bound
 
     Returns:
         dict: kind, precision, plain (forward_ms, backward_ms of a plain step), instrumented (the same summed
-        over the aten operators), rows (dicts: op, modules, calls, paths {'<supports>: <path>[ in backward]':
-        count}, forward_ms, backward_ms, products {'fwd'|'bwd': {'<operator> <dtypes>': count}}; with
-        `bounds`: bytes, macs, bound_ms), by time; with `bounds` also bandwidth_gbs, peak_gmacs.
+        over the aten operators), kept_bytes (kept for backward, see the module docstring; 0 at inference), rows
+        (dicts: op, modules, calls, paths {'<supports>: <path>[ in backward]': count}, forward_ms, backward_ms,
+        kept_bytes, products {'fwd'|'bwd': {'<operator> <dtypes>': count}}; with `bounds`: bytes, macs,
+        bound_ms), by time; with `bounds` also bandwidth_gbs, peak_gmacs.
     """
     if kind not in KINDS:
         raise ValueError(f'kind {kind!r}; allowed: {", ".join(KINDS)}')
@@ -333,7 +355,8 @@ def _rows(model, tracker, by):
         key = row_key(name)
         if key not in rows:
             rows[key] = dict(op=key, modules=[], calls=0, paths=collections.Counter(), forward_ms=0.,
-                             backward_ms=0., products=dict(fwd=collections.Counter(), bwd=collections.Counter()))
+                             backward_ms=0., kept_bytes=0,
+                             products=dict(fwd=collections.Counter(), bwd=collections.Counter()))
         r = rows[key]
         if name is not None and name not in r['modules']:
             r['modules'].append(name)
@@ -348,12 +371,15 @@ def _rows(model, tracker, by):
         row(op_of(stack))[f'{phase}_ms'] += s * 1e3
     for (stack, phase, op, dts), n in tracker.recorder.products.items():
         row(op_of(stack))['products']['fwd' if phase == 'forward' else 'bwd'][f'{op} {dts}'] += n
+    for stack, n in tracker.kept.items():
+        row(op_of(stack))['kept_bytes'] += n
     out = sorted(rows.values(), key=lambda r: (r['op'] == OTHER, -(r['forward_ms'] + r['backward_ms']), r['op']))
     for r in out:
         r['paths'] = dict(sorted(r['paths'].items()))
         r['products'] = {k: dict(sorted(v.items())) for k, v in r['products'].items()}
     return dict(rows=out, instrumented=dict(forward_ms=sum(r['forward_ms'] for r in out),
-                                            backward_ms=sum(r['backward_ms'] for r in out)))
+                                            backward_ms=sum(r['backward_ms'] for r in out)),
+                kept_bytes=sum(r['kept_bytes'] for r in out))
 
 
 def product_dtypes(result):
@@ -374,11 +400,15 @@ def table(result):
     lines = [f'Plain step: forward {p["forward_ms"]:.1f} ms' + (f', backward {p["backward_ms"]:.1f} ms' if train
                                                                  else '')
              + f'; in aten operators of the instrumented step: forward {i["forward_ms"]:.1f} ms'
-             + (f', backward {i["backward_ms"]:.1f} ms' if train else '') + '. Products by input dtype: '
+             + (f', backward {i["backward_ms"]:.1f} ms' if train else '')
+             + (f'; kept for backward {result["kept_bytes"] / 2**20:.1f} MB' if train else '')
+             + '. Products by input dtype: '
              + ', '.join(f'{k} ×{n}' for k, n in product_dtypes(result).items()) + '.', '',
              '| op | calls | path | forward ms | ' + ('backward ms | ' if train else '') + 'share | '
+             + ('kept MB | ' if train else '')
              + ('least MB | bound ms | × bound | ' if bounded else '') + 'matmul / conv / attention dtypes |',
-             '|---|---|---|---|' + ('---|' if train else '') + '---|' + ('---|---|---|' if bounded else '') + '---|']
+             '|---|---|---|---|' + ('---|---|' if train else '') + '---|' + ('---|---|---|' if bounded else '')
+             + '---|']
     if bounded:
         lines[0] += (f' Bounds: {result["bandwidth_gbs"]:.1f} GB/s copy bandwidth, {result["peak_gmacs"]:.0f} '
                      f'GMAC/s {result["precision"]} matmul peak (this machine'
@@ -402,7 +432,8 @@ def table(result):
             b = r['bound_ms']
             bound = (f'{r["bytes"] / 1e6:.1f} | {b:.2f} | {ms / b:.1f} | ' if b else '– | – | – | ')
         lines.append(f'| {r["op"]} | {r["calls"] or "–"} | {paths} | {r["forward_ms"]:.2f} | '
-                     + (f'{r["backward_ms"]:.2f} | ' if train else '') + f'{ms / total:.1%} | {bound}{products(r)} |')
+                     + (f'{r["backward_ms"]:.2f} | ' if train else '') + f'{ms / total:.1%} | '
+                     + (f'{r["kept_bytes"] / 2**20:.1f} | ' if train else '') + f'{bound}{products(r)} |')
     compiled = sorted({r['op'] for r in result['rows'] if any(': compiled' in k for k in r['paths'])})
     if compiled:
         lines += ['', f'Compiled paths ran eagerly here (torch.compile runs op by op under the profile\'s dispatch '

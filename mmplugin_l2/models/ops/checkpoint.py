@@ -23,6 +23,7 @@ it accepts only the two `TorchDispatchMode`s of selective checkpointing) is neit
 (`_bn_context_fn`).
 """
 import contextlib
+import inspect
 from functools import partial
 
 import torch
@@ -95,6 +96,12 @@ def _keep_products(ctx, op, *args, **kwargs):
     return cp.CheckpointPolicy.MUST_SAVE if op in PRODUCTS else cp.CheckpointPolicy.PREFER_RECOMPUTE
 
 
+#: whether this torch's checkpoint can pass what a selective recomputation keeps through the surrounding
+#: `saved_tensors_hooks` (as every other saved tensor: `torch.autograd.graph.save_on_cpu` moves it too, and the op
+#: profile counts it, `analysis.opprofile`); where it can, it does (eager mode)
+_KEPT_THROUGH_HOOKS = 'respect_saved_tensors_hooks' in inspect.signature(cp.checkpoint).parameters
+
+
 def checkpointed(fn, *args, enabled=True, module=None, keep_products=False):
     """fn(*args); when `enabled` and autograd records, checkpointed (see the module docstring), unless this runs
     inside another recomputed region (then plainly: regions do not nest). `module`: the module whose BatchNorms
@@ -108,6 +115,8 @@ def checkpointed(fn, *args, enabled=True, module=None, keep_products=False):
             region = fn
         if keep_products:
             kw = dict(context_fn=partial(cp.create_selective_checkpoint_contexts, _keep_products))
+            if _KEPT_THROUGH_HOOKS and not torch.compiler.is_compiling():
+                kw['respect_saved_tensors_hooks'] = True
         else:
             context_fn = _bn_context_fn(module)
             kw = {} if context_fn is None else dict(context_fn=context_fn)
