@@ -319,6 +319,39 @@ def test_mlp_branch_keeps_the_fc1_output_not_the_gelu_output():
     assert nbytes(saved_ref) - weights >= 8 * (tokens + 8 * tokens)      # + LN output and GELU output
 
 
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_window_attention_branch_keeps_its_products_not_the_projection_output(dtype):
+    """The recomputing LWA block's attention branch (selective: `keep_products`) keeps its input, the qkv output and
+    the attention kernel's output (and its softmax statistics), not the output projection's output, which no
+    backward reads (`ops.checkpoint.output_product`); its backward recomputes neither product (the recomputation
+    stops before the projection) and gives autograd's gradients."""
+    from conftest import nbytes
+    from ops.harness import RecordOps
+    from mmplugin_l2.models.ops.checkpoint import recomputed_branch
+    torch.manual_seed(0)
+    c, heads, ws, (h, w) = 16, 2, 4, (8, 10)
+    blk = LWABlock(c, heads, window_size=ws).to(dtype).train()
+    x = torch.randn(2, h * w, c, dtype=dtype, requires_grad=True)
+    g = torch.randn(2, h * w, c, dtype=dtype)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        y = recomputed_branch(blk, blk.norm1, blk.attn, x, (h, w), keep_products=True)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
+    windows, padded = 2 * 2 * 3, 2 * 8 * 12   # (8, 10) padded to (8, 12): 2 x 3 windows of 16 tokens per image
+    # x, the qkv output, the attention output, the kernel's logsumexp (one per query and head)
+    want = x.element_size() * (x.numel() + padded * 3 * c + padded * c + windows * heads * ws * ws)
+    assert sum(storages.values()) == want, sorted(storages.values())
+    ops = []
+    with RecordOps(lambda func, *rest: ops.append(func.overloadpacket.__name__)):
+        grads = torch.autograd.grad(y, [x, *blk.attn.parameters(), *blk.norm1.parameters()], g)
+    assert 'addmm' not in ops and ops.count('mm') == 4, ops   # the two products' input and weight gradients only
+    ref = blk.attn(blk.norm1(x), (h, w))
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    tol = 1e-13 if dtype == torch.float64 else 1e-5
+    for u, v in zip(grads, torch.autograd.grad(ref, [x, *blk.attn.parameters(), *blk.norm1.parameters()], g)):
+        torch.testing.assert_close(u, v, rtol=tol, atol=tol)
+
+
 def test_with_cp_recomputes_the_stem():
     """With `with_cp` the stem's first map (its first conv's output, (B, C/2, H/2, W/2)) is not kept for
     backward."""

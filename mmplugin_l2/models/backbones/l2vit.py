@@ -129,8 +129,9 @@ class L2ViT(PyramidBackbone):
         with_cp (bool): activation checkpointing of every block, the stem and the downsamplings (only their
             inputs kept for backward, the rest recomputed there). Default: False.
         fast_train (bool): in training, recompute in backward what is cheap to recompute and keep what is
-            not: the window-attention branches keep their matrix-product and attention-kernel outputs and
-            recompute the LayerNorm and window partitions (`checkpoint.checkpointed(keep_products=True)`),
+            not: the window-attention branches keep their qkv product's and attention kernel's outputs (not
+            the output projection's, which no backward reads) and recompute the LayerNorm and window
+            partitions (`checkpoint.checkpointed(keep_products=True)`),
             the LCM branches are recomputed whole (depth-wise convs, GELU, BatchNorm), the MLP branches
             keep their fc1 output and recompute LayerNorm and GELU (`mlp.NormMlpFunction`); the linear
             attention keeps only q, k, v in any case (`LinearAttentionCore`). Same gradients; about half

@@ -29,6 +29,7 @@ chosen once per forward by `ops.dispatch.choose`.
 import torch.nn as nn
 
 from ..ops import choose
+from ..ops.checkpoint import output_product
 from ..ops.export import exporting
 from ..ops.memory import DEFAULT_POLICY
 from ..ops.window_attention import (WINDOW_ATTENTION, padding_key_mask, sdpa_in_slices, window_attention,
@@ -79,7 +80,10 @@ class WindowAttention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(bw, n, 3, self.num_heads, -1).unbind(2))
         keep = None if key_mask is None else ~key_mask[:, None, None, :]   # SDPA: True = attend
         out = sdpa_in_slices(q, k, v, attn_mask=keep, scale=self.scale, dtype=dtype)
-        return self.proj(out.transpose(1, 2).reshape(bw, n, c))
+        # the branch's last product: a selective recomputation of the branch keeps the attention's output (the
+        # projection's input, a view of it where the kernel's layout allows), not the projection's
+        with output_product():
+            return self.proj(out.transpose(1, 2).reshape(bw, n, c))
 
     def forward(self, x, hw_shape, norm=None):
         b, _, c = x.shape

@@ -13,7 +13,10 @@ enclosing region already bounds: its saved tensors live only while that region's
 `keep_products=True` makes it selective (torch's selective activation checkpointing): the outputs of the
 matrix products and of the fused attention kernel (`PRODUCTS`) are kept from the forward, everything else
 (LayerNorm, reshapes, window partitions, elementwise ops) is recomputed. The recomputation then costs
-about no multiply-adds and allocates little, for keeping the product outputs.
+about no multiply-adds and allocates little, for keeping the product outputs. The region's last product (an
+attention's output projection), computed inside `output_product()`, is not kept: nothing in the region's backward
+reads its output, and the recomputation stops before it (torch's early stop, its default: that product's inputs are
+the last tensors the backward needs), so not keeping it costs no work.
 
 Under `torch.compile` (mmengine's `compile=True` compiles the model's forward) the checkpointed function is
 traced once; the compiler then decides from the traced graph what backward recomputes, and a BatchNorm's
@@ -92,8 +95,30 @@ def _sdpa_kernels():
 PRODUCTS = frozenset({_aten.addmm.default, _aten.mm.default, _aten.bmm.default} | _sdpa_kernels())
 
 
+#: how many `output_product` contexts enclose the code running now (a list, as `dispatch._RECOMPUTED_DEPTH`)
+_OUTPUT_PRODUCT = [0]
+
+
+class _OutputProduct:
+    def __enter__(self):
+        _OUTPUT_PRODUCT[0] += 1
+
+    def __exit__(self, *exc):
+        _OUTPUT_PRODUCT[0] -= 1
+        return False
+
+
+def output_product():
+    """Context manager around the last product of a function that may run selectively recomputed
+    (`checkpointed(keep_products=True)`), e.g. an attention's output projection: its output is not kept (see the
+    module docstring). Elsewhere it changes nothing; under torch.compile (whose partitioner decides what is kept)
+    it is a null context."""
+    return contextlib.nullcontext() if torch.compiler.is_compiling() else _OutputProduct()
+
+
 def _keep_products(ctx, op, *args, **kwargs):
-    return cp.CheckpointPolicy.MUST_SAVE if op in PRODUCTS else cp.CheckpointPolicy.PREFER_RECOMPUTE
+    keep = op in PRODUCTS and not _OUTPUT_PRODUCT[0]
+    return cp.CheckpointPolicy.MUST_SAVE if keep else cp.CheckpointPolicy.PREFER_RECOMPUTE
 
 
 #: whether this torch's checkpoint can pass what a selective recomputation keeps through the surrounding
