@@ -1040,9 +1040,8 @@ def test_op_profile_counts_what_the_step_keeps_for_backward():
     """`kept_bytes` by hand on a Linear(8, 16) followed by a recomputed Linear(16, 16) -> GELU -> Linear(16, 4),
     fp32 inputs (1, 3, 4, 8): the first keeps its input (384 B); the recomputed layer keeps its own input (768 B)
     and, recomputed selectively (`keep_products`), its two products' outputs (768 B and 192 B) but not what it
-    recomputes (the GELU's input and output); recomputed whole, only its input, and the loss then keeps the
-    output (192 B, for its pow), which the selective recomputation had kept first. Parameters are not counted; the
-    table shows the column and the total."""
+    recomputes (the GELU's input and output); recomputed whole, only its input. The loss (`measure.output_loss`, the
+    sum of the output means) keeps nothing. Parameters are not counted; the table shows the column and the total."""
     import torch
     import torch.nn as nn
     from mmplugin_l2.analysis import opprofile
@@ -1066,7 +1065,7 @@ def test_op_profile_counts_what_the_step_keeps_for_backward():
     model, x = Model(), torch.randn(1, 3, 4, 8)
     assert checkpoint._KEPT_THROUGH_HOOKS  # the pinned torch passes the kept products through the hooks
     for keep, want in ((True, {'a': 384, 'b': 768 + 768 + 192, 'other': 0}),
-                       (False, {'a': 384, 'b': 768, 'other': 192})):
+                       (False, {'a': 384, 'b': 768, 'other': 0})):
         model.b.keep_products = keep
         res = opprofile.profile_ops(model, x, 'train', 'fp32', warmup=0, by='module')
         kept = {r['modules'][0] if r['modules'] else r['op']: r['kept_bytes'] for r in res['rows']}

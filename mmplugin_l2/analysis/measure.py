@@ -255,7 +255,9 @@ def output_loss(outputs, square=False):
     """Sum over the output maps of their mean (of their squares with `square`), in fp32 (float64 for a
     float64 model)."""
     outputs = [outputs] if torch.is_tensor(outputs) else outputs
-    return sum((o if o.dtype == torch.float64 else o.float()).pow(2 if square else 1).mean() for o in outputs)
+    outputs = [o if o.dtype == torch.float64 else o.float() for o in outputs]
+    # no pow(1) without `square`: it would keep every output map for backward, memory a step does not need
+    return sum((o.square() if square else o).mean() for o in outputs)
 
 
 def model_loss(model, x):
