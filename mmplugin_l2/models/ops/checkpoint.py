@@ -33,7 +33,7 @@ import torch
 import torch.utils.checkpoint as cp
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .dispatch import recomputed_region, recomputing, trains_fast
+from .dispatch import counted, recomputed_region, recomputing, trains_fast
 
 
 @contextlib.contextmanager
@@ -95,17 +95,8 @@ def _sdpa_kernels():
 PRODUCTS = frozenset({_aten.addmm.default, _aten.mm.default, _aten.bmm.default} | _sdpa_kernels())
 
 
-#: how many `output_product` contexts enclose the code running now (a list, as `dispatch._RECOMPUTED_DEPTH`)
+#: how many `output_product` contexts enclose the code running now (see `dispatch.counted`)
 _OUTPUT_PRODUCT = [0]
-
-
-class _OutputProduct:
-    def __enter__(self):
-        _OUTPUT_PRODUCT[0] += 1
-
-    def __exit__(self, *exc):
-        _OUTPUT_PRODUCT[0] -= 1
-        return False
 
 
 def output_product():
@@ -113,7 +104,7 @@ def output_product():
     (`checkpointed(keep_products=True)`), e.g. an attention's output projection: its output is not kept (see the
     module docstring). Elsewhere it changes nothing; under torch.compile (whose partitioner decides what is kept)
     it is a null context."""
-    return contextlib.nullcontext() if torch.compiler.is_compiling() else _OutputProduct()
+    return contextlib.nullcontext() if torch.compiler.is_compiling() else counted(_OUTPUT_PRODUCT)
 
 
 def _keep_products(ctx, op, *args, **kwargs):

@@ -118,15 +118,24 @@ def recomputing():
     return _RECOMPUTED_DEPTH[0] > 0
 
 
-class recomputed_region:
-    """Context manager: the body is (the forward or the recomputation of) a recomputed region."""
+class counted:
+    """Context manager: `counter[0]` (a one-element list: a count seen by the forward and by a recomputation in
+    backward alike) is one higher while the body runs."""
+
+    def __init__(self, counter):
+        self.counter = counter
 
     def __enter__(self):
-        _RECOMPUTED_DEPTH[0] += 1
+        self.counter[0] += 1
 
     def __exit__(self, *exc):
-        _RECOMPUTED_DEPTH[0] -= 1
+        self.counter[0] -= 1
         return False
+
+
+def recomputed_region():
+    """Context manager: the body is (the forward or the recomputation of) a recomputed region."""
+    return counted(_RECOMPUTED_DEPTH)
 
 
 def inference(module):
