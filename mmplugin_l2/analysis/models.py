@@ -39,6 +39,24 @@ def check_name(name, authors_roots=None):
                          f'<ours>{AUTHORS_TAG})')
 
 
+def checked_names(names, authors_code, error):
+    """The tools' check of model names (`--models` / `--model`) and `--authors-code FAMILY=PATH` pairs: returns the
+    checkouts' roots ({family: absolute path}, `authors.checked_roots`); `error(message)` reports a root that is not
+    a checkout, an unknown name, a `<name>@authors` without its family's checkout, or one without timm."""
+    roots = authors.checked_roots(authors_code, error)
+    for name in names:
+        try:
+            check_name(name, roots)
+        except ValueError as e:
+            error(str(e))
+    if any(authors_base(name) is not None for name in names):
+        try:
+            authors.require_timm()
+        except ImportError as e:
+            error(str(e))
+    return roots
+
+
 def is_detector(name):
     """Whether `name` is a whole detector (DETECTORS, or one with the authors' backbone)."""
     return name in DETECTORS or authors_base(name) in DETECTOR_AUTHORS

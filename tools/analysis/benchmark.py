@@ -42,7 +42,7 @@ import sys
 from mmplugin_l2.analysis import authors
 from mmplugin_l2.analysis import benchmark as bm
 from mmplugin_l2.analysis.measure import ALLOCATORS, PRECISIONS, WARMUP, allocator_env, half_units_warning
-from mmplugin_l2.analysis.models import MODELS, label
+from mmplugin_l2.analysis.models import MODELS, checked_names, label
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 
@@ -107,18 +107,7 @@ def parse_args(argv=None):
             p.error('--rounds, --iters and --batches must be >= 1, --warmup >= 0')
         if args.device != 'cpu' and not args.device.startswith('cuda'):
             p.error(f'--device {args.device!r}: allowed cpu, cuda, cuda:N')
-        roots = authors.checked_roots(args.authors_code, p.error)
-        for m in args.models:
-            try:
-                bm.check_name(m, roots)
-            except ValueError as e:
-                p.error(str(e))
-        args.authors_roots = roots
-        if any(m.endswith(bm.AUTHORS_TAG) for m in args.models):
-            try:
-                authors.require_timm()
-            except ImportError as e:
-                p.error(str(e))
+        args.authors_roots = checked_names(args.models, args.authors_code, p.error)
         out_dir = osp.dirname(osp.abspath(args.out))
         if not osp.isdir(out_dir):
             os.makedirs(out_dir)

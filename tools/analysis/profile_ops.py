@@ -32,7 +32,7 @@ from mmplugin_l2.analysis import authors, opprofile
 from mmplugin_l2.analysis.benchmark import (nested, option_arg, running_allocator, runs_under, size_arg,
                                              variant_title)
 from mmplugin_l2.analysis.measure import ALLOCATORS, PRECISIONS, allocator_env
-from mmplugin_l2.analysis.models import AUTHORS_TAG, MODELS, build, check_name, is_detector
+from mmplugin_l2.analysis.models import MODELS, authors_base, build, checked_names, is_detector
 
 
 def parse_args(argv=None):
@@ -61,14 +61,8 @@ def parse_args(argv=None):
                    help='the authors\' checkout of a family, for MODEL@authors')
     p.add_argument('--out', help='JSON file of the profile')
     args = p.parse_args(argv)
-    args.authors_roots = authors.checked_roots(args.authors_code, p.error)
-    try:
-        check_name(args.model, args.authors_roots)
-        if args.model.endswith(AUTHORS_TAG):
-            authors.require_timm()
-    except (ValueError, ImportError) as e:
-        p.error(str(e))
-    if args.tiny and args.model.endswith(AUTHORS_TAG):
+    args.authors_roots = checked_names([args.model], args.authors_code, p.error)
+    if args.tiny and authors_base(args.model) is not None:
         p.error(f'--tiny: the authors\' code has no narrow widths ({args.model}); profile it at full width')
     if is_detector(args.model):
         p.error(f'--model {args.model}: a whole detector; profile_ops.py profiles backbones '
