@@ -68,6 +68,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+def analysis_tool(name):
+    """tools/analysis/<name>.py as a module: its functions (argument checks, main) run in this process, without an
+    interpreter start."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f'_{name}_cli', osp.join(ROOT, 'tools', 'analysis', f'{name}.py'))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def saved_for_backward(fn):
     """Run fn() and return (its output, the list of tensors autograd saved for backward meanwhile)."""
     saved = []

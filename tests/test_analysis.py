@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, analysis_tool
 
 LENET_CFG = """
 default_scope = 'mmpretrain'
@@ -64,10 +64,7 @@ def test_flops_count_the_model_not_its_row_bands():
 def test_hvit3_t_classifier_flops_match_the_paper(tmp_path):
     """Paper / authors' fvcore count for H-ViT3-T at 224x224: 4.90 GMACs (4.903 without norms). get_flops.py's
     main in this process (the script itself runs above): its default input for the config, its JSON."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location('_get_flops_cli', f'{ROOT}/tools/analysis/get_flops.py')
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = analysis_tool('get_flops')
     out = tmp_path / 'f.json'
     cli.main([f'{ROOT}/configs/mmpretrain/hvit3_t_in1k.py', '--json', str(out)])
     res = json.loads(out.read_text())
@@ -78,11 +75,7 @@ def test_hvit3_t_classifier_flops_match_the_paper(tmp_path):
 # ---- the benchmark (tools/analysis/benchmark.py, mmplugin_l2/analysis/benchmark.py) ----------------------
 
 def _cli():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location('_benchmark_cli', f'{ROOT}/tools/analysis/benchmark.py')
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return analysis_tool('benchmark')
 
 
 def _sdpa_calls(model, x):
@@ -602,11 +595,8 @@ def test_profile_ops_profiles_the_authors_code(tmp_path, capsys):
     profiles their backbone: rows of its layers, what it keeps for backward; the same model as the one the benchmark
     builds. Without the checkout, narrowed (`--tiny`: their code has no narrow widths) or with a whole detector it
     says what is wrong (exit status 2)."""
-    import importlib.util
     root = _fake_checkout(tmp_path / 'ViTTT', 'ViTTT', FAKE_VITTT)
-    spec = importlib.util.spec_from_file_location('_profile_ops_cli', f'{ROOT}/tools/analysis/profile_ops.py')
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = analysis_tool('profile_ops')
     res = cli.main(['--model', 'hvit3_t@authors', '--authors-code', f'ViTTT={root}', '--size', '64', '--warmup', '0'])
     assert res['model'] == 'hvit3_t@authors' and res['kept_bytes'] > 0
     assert any(r['op'].endswith('/ TTTBlock') or 'Attention' in r['op'] for r in res['rows']), res['rows']
@@ -811,8 +801,6 @@ def test_roofline_bf16_peak_and_a_model_under_autocast(tmp_path):
     """The bf16 matmul peak beside the fp32 one; `--precision bf16` runs the model under bf16 autocast (its
     layers' outputs in bf16) and reports its share of the bf16 peak. The tool's training step on ResT-S: H-ViT3's
     would compile its TTT cores under bf16 (tests/ops/test_ttt_compiled.py's subject), a minute of this test."""
-    import importlib.util
-
     import torch
     from conftest import TINY_HVIT3
     from mmplugin_l2.analysis import roofline as rl
@@ -824,9 +812,7 @@ def test_roofline_bf16_peak_and_a_model_under_autocast(tmp_path):
     fp32, bf16 = rl.profile_layers(model, x), rl.profile_layers(model, x, 'bf16')
     assert bf16['macs'] == fp32['macs'] and bf16['seconds'] > 0
     assert sum(s['bytes'] for s in bf16['layers'].values()) < sum(s['bytes'] for s in fp32['layers'].values())
-    spec = importlib.util.spec_from_file_location('_roofline_cli', f'{ROOT}/tools/analysis/roofline.py')
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = analysis_tool('roofline')
     summary = cli.main(['--models', 'rest_s', '--size', '64', '--tiny', '--precision', 'bf16', '--train',
                         '--device', 'cpu', '--out-dir', str(tmp_path)])
     assert summary['precision'] == 'bf16' and set(summary['peaks_gmacs']) == {'fp32', 'bf16'}
@@ -1089,10 +1075,7 @@ def test_profile_ops_tool_prints_the_table(tmp_path, capsys, monkeypatch):
     assert '| op | calls | path |' in r.stdout
     res = json.loads(out.read_text())
     assert res['precision'] == 'bf16' and res['rows'] and res['model'] == 'rest_s' and res['allocator'] == 'caching'
-    import importlib.util
-    spec = importlib.util.spec_from_file_location('_profile_ops_cli', f'{ROOT}/tools/analysis/profile_ops.py')
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = analysis_tool('profile_ops')
     with pytest.raises(SystemExit) as e:  # its argument check, in this process
         cli.parse_args(['--precision', 'fp8'])
     assert e.value.code == 2 and "invalid choice: 'fp8'" in capsys.readouterr().err
@@ -1116,12 +1099,8 @@ def test_compile_check_times_compiled_and_eager_training_steps():
     """`compile_check.py --train`'s measurement (`check_train`): the first compiled step, then the steady-state
     steps of the compiled model and of an eager copy, each with the peak of its timed steps (measurable after the
     larger warm-up and compile: `steady_memory`); the compiled steps train the model itself."""
-    import importlib.util
-
     import torch
-    spec = importlib.util.spec_from_file_location('_compile_check_cli', f'{ROOT}/tools/analysis/compile_check.py')
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = analysis_tool('compile_check')
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.GELU(), torch.nn.Conv2d(8, 4, 1))
     before = model[0].weight.detach().clone()

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from conftest import ROOT, TINY_HVIT3, TINY_L2VIT, TINY_REST
+from conftest import ROOT, TINY_HVIT3, TINY_L2VIT, TINY_REST, analysis_tool
 
 from mmplugin_l2.models.backbones import HViT3, L2ViT, ResT, ViT3
 
@@ -375,12 +375,7 @@ def _check(tmp_path, *args):
 
 
 def _device_check_cli():
-    """tools/analysis/device_check.py as a module (its argument checks run in this process: no interpreter start)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location('_device_check_cli', f'{ROOT}/tools/analysis/device_check.py')
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return analysis_tool('device_check')
 
 
 @pytest.mark.parametrize('args, message', [

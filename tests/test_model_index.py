@@ -14,6 +14,7 @@ import torch
 import yaml
 
 from config_helpers import load, registries
+from conftest import analysis_tool
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 INDEX = yaml.safe_load(open(osp.join(ROOT, 'model-index.yml')))
@@ -130,11 +131,7 @@ def test_installed_with_the_package():
 
 
 def _get_flops():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location('get_flops', osp.join(ROOT, 'tools', 'analysis', 'get_flops.py'))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return analysis_tool('get_flops')
 
 
 #: one classifier per family (224x224) and the smallest detector (ResT-Lite RetinaNet, 800x1280, about 10 s); the

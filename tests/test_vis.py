@@ -1,6 +1,5 @@
 """Visualisation (mmplugin_l2/analysis/vis.py, erf.py, cam.py; tools/analysis/vis_attention.py, erf.py): each
 map against a hand computation, the tools on tiny models and 64x64 images (docs/visualization.md)."""
-import importlib.util
 import json
 
 import numpy as np
@@ -8,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import ROOT, TINY_HVIT3, TINY_L2VIT, TINY_REST
+from conftest import ROOT, TINY_HVIT3, TINY_L2VIT, TINY_REST, analysis_tool
 
 from mmplugin_l2.analysis import erf, vis
 from mmplugin_l2.models.backbones import HViT3, L2ViT, ResT
@@ -28,11 +27,7 @@ def _randomize_norms(model):
     return model.eval()
 
 
-def _tool(name):
-    spec = importlib.util.spec_from_file_location(f'_{name}_cli', f'{ROOT}/tools/analysis/{name}.py')
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+_tool = analysis_tool
 
 
 def _images(folder, n=2, size=64):
