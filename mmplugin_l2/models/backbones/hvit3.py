@@ -22,6 +22,7 @@ from mmengine.registry import MODELS
 
 from ..layers import (CPE, ConvDownsample, ConvMlp, ConvStem, Mlp, TTTAttention, add_residual, map_to_tokens,
                       pad_to_multiple, rope_tables, tokens_to_map)
+from ..ops.checkpoint import recomputed_output
 from ..ops.export import stage_boundary
 from ...deprecation import renamed_argument
 from ..pyramid import PyramidBackbone, drop_path_rates
@@ -45,6 +46,7 @@ class TTTBlock(nn.Module):
     def __init__(self, dim, num_heads, mlp_ratio=4., qkv_bias=True, drop=0., drop_path=0., norm_eps=1e-5,
                  conv_mlp=True, fast_train=True, fast_compile=True):
         super().__init__()
+        self.fast_train = fast_train
         self.cpe = CPE(dim)
         self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
         self.attn = TTTAttention(dim, num_heads, qkv_bias=qkv_bias, fast_train=fast_train, fast_compile=fast_compile)
@@ -58,8 +60,13 @@ class TTTBlock(nn.Module):
     # add_residual: into the branch output at inference, out of place in training
     def attention_part(self, x, hw_shape, rope=None):
         """x + CPE(x), then its TTT attention branch added: (B, N, C) -> (B, N, C)."""
-        x = add_residual(self.cpe(x, hw_shape), x)
-        return add_residual(self.drop_path(self.attn(self.norm1(x), hw_shape, rope)), x)
+        # the LayerNorm's input, x + CPE(x), is recomputed where it keeps it (`recomputed_output`)
+        with recomputed_output(self, self.residual_cpe, x, hw_shape) as x:
+            return add_residual(self.drop_path(self.attn(self.norm1(x), hw_shape, rope)), x)
+
+    def residual_cpe(self, x, hw_shape):
+        """x + CPE(x): (B, N, C) -> (B, N, C)."""
+        return add_residual(self.cpe(x, hw_shape), x)
 
     def mlp_part(self, x, hw_shape, rope=None):
         """x + its MLP branch: (B, N, C) -> (B, N, C) (`rope` unused: the parts take the same arguments)."""

@@ -43,6 +43,7 @@ from ..layers import (LCM, L2ViTDownsample, L2ViTStem, LinearAttention, Mlp, Res
 from ..ops.export import stage_boundary
 from ..layers.mlp import norm_mlp_branch
 from ..ops.checkpoint import recomputed_branch as _branch
+from ..ops.checkpoint import recomputed_output
 from ...deprecation import renamed_argument
 from ..pyramid import PyramidBackbone
 
@@ -71,11 +72,12 @@ class LWABlock(nn.Module):
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
 
     def forward(self, x, hw_shape):
-        # add_residual: into the branch output at inference, out of place in training
-        x = self.cpe[0](x, hw_shape)
-        x = add_residual(self.drop_path(_branch(self, self.norm1, self.attn, x, hw_shape, keep_products=True)), x)
-        x = self.cpe[1](x, hw_shape)
-        return add_residual(self.drop_path(norm_mlp_branch(self, self.norm2, self.mlp, x)), x)
+        # add_residual: into the branch output at inference, out of place in training; a CPE's output is
+        # recomputed where the branch after it would keep it (`recomputed_output`)
+        with recomputed_output(self, self.cpe[0], x, hw_shape) as x:
+            x = add_residual(self.drop_path(_branch(self, self.norm1, self.attn, x, hw_shape, keep_products=True)), x)
+        with recomputed_output(self, self.cpe[1], x, hw_shape) as x:
+            return add_residual(self.drop_path(norm_mlp_branch(self, self.norm2, self.mlp, x)), x)
 
 
 class LGABlock(nn.Module):
@@ -94,9 +96,10 @@ class LGABlock(nn.Module):
         self.local_mp = LCM(dim, lcm_kernel)
 
     def forward(self, x, hw_shape):
-        x = self.cpe[0](x, hw_shape)
-        # the linear attention keeps only its q, k, v for backward (LinearAttentionCore): not recomputed
-        x = add_residual(self.drop_path(self.attn(x, norm=self.norm1)), x)
+        # the linear attention keeps its q, k, v for backward (LinearAttentionCore), not recomputed; its
+        # LayerNorm's input, the CPE's output, is (`recomputed_output`)
+        with recomputed_output(self, self.cpe[0], x, hw_shape) as x:
+            x = add_residual(self.drop_path(self.attn(x, norm=self.norm1)), x)
         x = add_residual(self.drop_path(_branch(self, self.norm3, self.local_mp, x, hw_shape)), x)
         return add_residual(self.drop_path(norm_mlp_branch(self, self.norm2, self.mlp, x)), x)
 

@@ -18,6 +18,12 @@ attention's output projection), computed inside `output_product()`, is not kept:
 reads its output, and the recomputation stops before it (torch's early stop, its default: that product's inputs are
 the last tensors the backward needs), so not keeping it costs no work.
 
+`recomputed_output` is the smallest recomputation: a cheap function's output (a residual CPE, x + a depth-wise 3x3
+conv of x, whose input its conv keeps anyway) is not kept where the code after it saves it for backward (a
+LayerNorm's input, a recomputed branch's input); autograd keeps the recipe instead (the function and its
+inputs, which are kept anyway) and runs the function again, with the forward's autocast state, where backward
+reads the tensor. The recomputation gives the forward's values bit for bit (the same kernels on the same inputs).
+
 Under `torch.compile` (mmengine's `compile=True` compiles the model's forward) the checkpointed function is
 traced once; the compiler then decides from the traced graph what backward recomputes, and a BatchNorm's
 running-statistics update is a mutation of its buffers in the forward graph, done once and never part of a
@@ -138,6 +144,83 @@ def checkpointed(fn, *args, enabled=True, module=None, keep_products=False):
             kw = {} if context_fn is None else dict(context_fn=context_fn)
         return cp.checkpoint(region, *args, use_reentrant=False, **kw)
     return fn(*args)
+
+
+class _Recipe:
+    """What `recomputed_output` keeps instead of a saved tensor: the function, its inputs (tensors as `_Input`), the
+    forward's autocast state, and where the saved tensor lies in the output."""
+    __slots__ = ('fn', 'args', 'autocast', 'view')
+
+    def __init__(self, fn, args, autocast, view):
+        self.fn, self.args, self.autocast, self.view = fn, args, autocast, view
+
+    def tensor(self):
+        """The saved tensor, computed again as in the forward: autograd recording (the train paths the forward
+        chose; nothing it saves reaches the hooks outside), the forward's autocast state."""
+        args = [a.tensor() if isinstance(a, _Input) else a for a in self.args]
+        device, enabled, dtype = self.autocast
+        with torch.enable_grad(), torch.autocast(device, dtype, enabled=enabled), \
+                torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            out = self.fn(*args).detach()
+        shape, stride, offset = self.view
+        return out.as_strided(shape, stride, out.storage_offset() + offset)
+
+
+class _Input:
+    """A tensor input of a recipe: its data (detached) and whether it required a gradient in the forward."""
+    __slots__ = ('data', 'requires_grad')
+
+    def __init__(self, t):
+        self.data, self.requires_grad = t.detach(), t.requires_grad
+
+    def tensor(self):
+        return self.data.detach().requires_grad_(self.requires_grad)
+
+
+def _same(t):
+    return t
+
+
+#: the saved-tensor hooks in effect now (None: none), or None where this torch cannot say (then
+#: `recomputed_output` keeps its output as autograd would)
+_top_hooks = getattr(torch._C._autograd, '_top_saved_tensors_default_hooks', None)
+
+
+@contextlib.contextmanager
+def recomputed_output(module, fn, *args):
+    """Context manager: runs fn(*args) and gives its output (a tensor); inside the `with`, wherever autograd saves
+    that output (or a view of it) for backward, it keeps the recipe instead and recomputes the output there
+    (see the module docstring). For a cheap fn whose tensor inputs are kept for backward anyway.
+
+    Active when `module` trains fast (`dispatch.trains_fast`), the output requires a gradient, and neither torch.compile
+    traces (its partitioner decides what is kept) nor a recomputed region runs (ours or torch's checkpoint:
+    nothing in it is kept); elsewhere it only runs fn. Saved-tensor hooks around it (`save_on_cpu`, the op
+    profile's counting) still see every other saved tensor."""
+    out = fn(*args)
+    active = (trains_fast(module) and out.requires_grad and not torch.compiler.is_compiling() and not recomputing()
+              and _top_hooks is not None)
+    hooks = _top_hooks(False) if active else None
+    if not active or (hooks is not None and getattr(hooks[0], '_checkpoint_internal', False)):
+        yield out
+        return
+    outer_pack, outer_unpack = hooks if hooks is not None else (_same, _same)
+    # the inputs without their graph, and what identifies the output, not the output: autograd keeps the hooks
+    # (their closures) as long as what they saved
+    inputs = tuple(_Input(a) if torch.is_tensor(a) else a for a in args)
+    storage, version, offset, dtype = out.untyped_storage().data_ptr(), out._version, out.storage_offset(), out.dtype
+    device = out.device.type
+    autocast = device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() == storage and t._version == version and t.dtype == dtype:
+            return _Recipe(fn, inputs, autocast, (t.shape, t.stride(), t.storage_offset() - offset))
+        return (outer_pack(t),)
+
+    def unpack(packed):
+        return packed.tensor() if isinstance(packed, _Recipe) else outer_unpack(packed[0])
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield out
 
 
 def recomputed(module, fn, x, *args):
