@@ -181,9 +181,10 @@ def _same(t):
     return t
 
 
-#: the saved-tensor hooks in effect now (None: none), or None where this torch cannot say (then
-#: `recomputed_output` keeps its output as autograd would)
-_top_hooks = getattr(torch._C._autograd, '_top_saved_tensors_default_hooks', None)
+#: the saved-tensor hooks in effect now (None: none), or None where this torch cannot say or has no per-device
+#: autocast state (`get_autocast_dtype`, torch >= 2.4): there `recomputed_output` keeps its output as autograd would
+_top_hooks = (getattr(torch._C._autograd, '_top_saved_tensors_default_hooks', None)
+              if hasattr(torch, 'get_autocast_dtype') else None)
 
 
 @contextlib.contextmanager
