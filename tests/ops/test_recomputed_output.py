@@ -46,8 +46,14 @@ def _step(m, x, g, recompute, autocast, saved=None):
                                                       lambda t: t) if saved is not None else contextlib.nullcontext())
     with hooks, torch.autocast('cpu', torch.bfloat16, enabled=autocast):
         y = m(x, recompute=recompute)
-    y.float().backward(g)
+    _backward(y, g)
     return [y, x.grad, *(p.grad for p in m.parameters())]
+
+
+def _backward(y, g):
+    """Backward of <y, g> in y's dtype (a half y: in float32)."""
+    y = y.float() if y.dtype in (torch.bfloat16, torch.float16) else y
+    y.backward(g.to(y.dtype))
 
 
 @pytest.mark.parametrize('dtype,autocast', [(torch.float64, False), (torch.float32, False), (torch.float32, True)],
@@ -72,7 +78,7 @@ def test_output_is_not_kept_and_backward_gets_the_same_values(dtype, autocast):
     assert len(outs) == 1 and outs[0]() is None        # nothing holds the CPE's output after the forward
     assert len(saved) == len(kept) - 3                  # the hooks outside saw all else that is saved
     m.zero_grad(set_to_none=True)
-    y.float().backward(g)
+    _backward(y, g)
     got = [y, xr.grad, *(p.grad for p in m.parameters())]
     assert len(outs) == 1 + 3     # recomputed where each of its three savers reads it
     for a, b in zip(got, want):
@@ -151,11 +157,44 @@ def test_blocks_keep_no_cpe_output(build, autocast, monkeypatch):
     y, xr = step()
     n = len(refs)
     assert n == (len(block.cpe) if isinstance(block.cpe, nn.ModuleList) else 1) and all(r() is None for r in refs)
-    y.float().backward(g)
+    _backward(y, g)
     got = [y, xr.grad, *(p.grad for p in block.parameters())]
     monkeypatch.setattr(ck, '_top_hooks', None)        # off: the block keeps its CPE outputs
     y, xr = step()
     assert all(r() is not None for r in refs[-n:])
-    y.float().backward(g)
+    _backward(y, g)
     for a, b in zip(got, [y, xr.grad, *(p.grad for p in block.parameters())]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize('reentrant', [False, True])
+def test_inside_torchs_checkpoint(reentrant, monkeypatch):
+    """Inside torch's own checkpoint (e.g. mmengine's `activation_checkpointing`) the same gradients, and the region
+    keeps only its input: off under the non-reentrant one's hooks (a recipe would keep the CPE's input alive), on
+    in the reentrant one's recomputation (a graph of its own; its forward records no graph)."""
+    import mmplugin_l2.models.ops.checkpoint as ck
+    torch.manual_seed(0)
+    m = Holder().double()
+    x = torch.randn(2, HW[0] * HW[1], 8, dtype=torch.float64)
+    g = torch.randn(2, HW[0] * HW[1], 8, dtype=torch.float64)
+    xr = x.detach().requires_grad_()
+    y = m(xr * 2, recompute=False) / 2
+    _backward(y, g)
+    want = [y, xr.grad, *(p.grad for p in m.parameters())]
+    xr = x.detach().requires_grad_()
+    m.zero_grad(set_to_none=True)
+    recipes = []
+
+    class Counted(ck._Recipe):
+        __slots__ = ()
+
+        def __init__(self, *args):
+            recipes.append(args)
+            super().__init__(*args)
+    monkeypatch.setattr(ck, '_Recipe', Counted)
+    y = torch.utils.checkpoint.checkpoint(lambda t: m(t * 2) / 2, xr, use_reentrant=reentrant)
+    assert not recipes          # a region keeps only its input: no recipe holds the CPE's input, t * 2
+    _backward(y, g)
+    assert len(recipes) == (3 if reentrant else 0)
+    for a, b in zip([y, xr.grad, *(p.grad for p in m.parameters())], want):
         assert torch.equal(a, b)
