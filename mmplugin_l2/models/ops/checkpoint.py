@@ -148,7 +148,8 @@ def checkpointed(fn, *args, enabled=True, module=None, keep_products=False):
 
 class _Recipe:
     """What `recomputed_output` keeps instead of a saved tensor: the function, its inputs (tensors as `_Input`), the
-    forward's autocast state, and where the saved tensor lies in the output."""
+    forward's autocast state ((device type, enabled, dtype), None where the device has no autocast), and where the
+    saved tensor lies in the output."""
     __slots__ = ('fn', 'args', 'autocast', 'view')
 
     def __init__(self, fn, args, autocast, view):
@@ -158,9 +159,9 @@ class _Recipe:
         """The saved tensor, computed again as in the forward: autograd recording (the train paths the forward
         chose; nothing it saves reaches the hooks outside), the forward's autocast state."""
         args = [a.tensor() if isinstance(a, _Input) else a for a in self.args]
-        device, enabled, dtype = self.autocast
-        with torch.enable_grad(), torch.autocast(device, dtype, enabled=enabled), \
-                torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        autocast = contextlib.nullcontext() if self.autocast is None else torch.autocast(
+            self.autocast[0], self.autocast[2], enabled=self.autocast[1])
+        with torch.enable_grad(), autocast, torch.autograd.graph.saved_tensors_hooks(_same, _same):
             out = self.fn(*args).detach()
         shape, stride, offset = self.view
         return out.as_strided(shape, stride, out.storage_offset() + offset)
@@ -210,7 +211,8 @@ def recomputed_output(module, fn, *args):
     inputs = tuple(_Input(a) if torch.is_tensor(a) else a for a in args)
     storage, version, offset, dtype = out.untyped_storage().data_ptr(), out._version, out.storage_offset(), out.dtype
     device = out.device.type
-    autocast = device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+    autocast = ((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                if torch.amp.is_autocast_available(device) else None)    # None: a device without autocast (meta)
 
     def pack(t):
         if t.untyped_storage().data_ptr() == storage and t._version == version and t.dtype == dtype:
