@@ -148,8 +148,7 @@ def checkpointed(fn, *args, enabled=True, module=None, keep_products=False):
 
 class _Recipe:
     """What `recomputed_output` keeps instead of a saved tensor: the function, its inputs (tensors as `_Input`), the
-    forward's autocast state ((device type, enabled, dtype), None where the device has no autocast), and where the
-    saved tensor lies in the output."""
+    forward's autocast state (device type, enabled, dtype), and where the saved tensor lies in the output."""
     __slots__ = ('fn', 'args', 'autocast', 'view')
 
     def __init__(self, fn, args, autocast, view):
@@ -159,9 +158,9 @@ class _Recipe:
         """The saved tensor, computed again as in the forward: autograd recording (the train paths the forward
         chose; nothing it saves reaches the hooks outside), the forward's autocast state."""
         args = [a.tensor() if isinstance(a, _Input) else a for a in self.args]
-        autocast = contextlib.nullcontext() if self.autocast is None else torch.autocast(
-            self.autocast[0], self.autocast[2], enabled=self.autocast[1])
-        with torch.enable_grad(), autocast, torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        device, enabled, dtype = self.autocast
+        with torch.enable_grad(), torch.autocast(device, dtype, enabled=enabled), \
+                torch.autograd.graph.saved_tensors_hooks(_same, _same):
             out = self.fn(*args).detach()
         shape, stride, offset = self.view
         return out.as_strided(shape, stride, out.storage_offset() + offset)
@@ -194,13 +193,15 @@ def recomputed_output(module, fn, *args):
     that output (or a view of it) for backward, it keeps the recipe instead and recomputes the output there
     (see the module docstring). For a cheap fn whose tensor inputs are kept for backward anyway.
 
-    Active when `module` trains fast (`dispatch.trains_fast`), the output requires a gradient, and neither torch.compile
-    traces (its partitioner decides what is kept) nor a recomputed region runs (ours or torch's checkpoint:
-    nothing in it is kept); elsewhere it only runs fn. Saved-tensor hooks around it (`save_on_cpu`, the op
+    Active when `module` trains fast (`dispatch.trains_fast`), the output (a plain tensor, on a device with
+    autocast: not on the meta device) requires a gradient, and neither torch.compile traces (its partitioner decides
+    what is kept) nor a recomputed region runs (ours or torch's checkpoint: nothing in it is kept); elsewhere it only
+    runs fn. Saved-tensor hooks around it (`save_on_cpu`, the op
     profile's counting) still see every other saved tensor."""
     out = fn(*args)
-    active = (trains_fast(module) and out.requires_grad and not torch.compiler.is_compiling() and not recomputing()
-              and _top_hooks is not None)
+    active = (type(out) is torch.Tensor and trains_fast(module) and out.requires_grad and not recomputing()
+              and not torch.compiler.is_compiling() and _top_hooks is not None
+              and torch.amp.is_autocast_available(out.device.type))
     hooks = _top_hooks(False) if active else None
     if not active or (hooks is not None and getattr(hooks[0], '_checkpoint_internal', False)):
         yield out
@@ -211,8 +212,7 @@ def recomputed_output(module, fn, *args):
     inputs = tuple(_Input(a) if torch.is_tensor(a) else a for a in args)
     storage, version, offset, dtype = out.untyped_storage().data_ptr(), out._version, out.storage_offset(), out.dtype
     device = out.device.type
-    autocast = ((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-                if torch.amp.is_autocast_available(device) else None)    # None: a device without autocast (meta)
+    autocast = device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
 
     def pack(t):
         if t.untyped_storage().data_ptr() == storage and t._version == version and t.dtype == dtype:
