@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conftest import saved_for_backward
 from mmplugin_l2.models.layers import ResidualCPE
 from mmplugin_l2.models.ops import dispatch
 from mmplugin_l2.models.ops.checkpoint import checkpointed, recomputed_output
@@ -37,49 +38,42 @@ class Holder(nn.Module):
             return self.consumers(y)
 
 
-def _step(m, x, g, recompute, autocast, saved=None):
-    """Outputs and gradients of one forward and backward; `saved` collects (through outer hooks) every storage
-    autograd keeps."""
-    x = x.detach().requires_grad_()
+def _forward(m, x, autocast, *args, **kwargs):
+    """(output, input, tensors saved for backward) of m(input, *args, **kwargs) on a fresh leaf copy of x, its
+    gradients cleared first."""
+    xr = x.detach().requires_grad_()
     m.zero_grad(set_to_none=True)
-    hooks = (torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.untyped_storage().data_ptr()) or t,
-                                                      lambda t: t) if saved is not None else contextlib.nullcontext())
-    with hooks, torch.autocast('cpu', torch.bfloat16, enabled=autocast):
-        y = m(x, recompute=recompute)
-    _backward(y, g)
-    return [y, x.grad, *(p.grad for p in m.parameters())]
+    with torch.autocast('cpu', torch.bfloat16, enabled=autocast):
+        y, saved = saved_for_backward(lambda: m(xr, *args, **kwargs))
+    return y, xr, saved
 
 
-def _backward(y, g):
-    """Backward of <y, g> in y's dtype (a half y: in float32)."""
-    y = y.float() if y.dtype in (torch.bfloat16, torch.float16) else y
-    y.backward(g.to(y.dtype))
+def _results(m, y, xr, g):
+    """Backward of <y, g> in y's dtype (a half y: in float32); then [y, the input's and m's parameters' gradients]."""
+    yb = y.float() if y.dtype in (torch.bfloat16, torch.float16) else y
+    yb.backward(g.to(yb.dtype))
+    return [y, xr.grad, *(p.grad for p in m.parameters())]
 
 
 @pytest.mark.parametrize('dtype,autocast', [(torch.float64, False), (torch.float32, False), (torch.float32, True)],
                          ids=['float64', 'float32', 'bf16-autocast'])
 def test_output_is_not_kept_and_backward_gets_the_same_values(dtype, autocast):
     """The output is freed after the forward (only autograd could hold it), every other saved tensor still goes
-    through the hooks around it, backward recomputes it where each op that saved it reads it, and outputs and gradients equal those of the same code keeping it, bit for bit
-    (the recomputation runs in the forward's autocast state and takes the forward's paths)."""
+    through the hooks around it, backward recomputes it where each op that saved it reads it, and outputs and
+    gradients equal those of the same code keeping it, bit for bit (the recomputation runs in the forward's autocast
+    state and takes the forward's paths)."""
     torch.manual_seed(0)
     m = Holder().to(dtype)
     x = torch.randn(2, HW[0] * HW[1], 8, dtype=dtype)
     g = torch.randn(2, HW[0] * HW[1], 8)
-    kept = []
-    want = _step(m, x, g, recompute=False, autocast=autocast, saved=kept)
+    y, xr, kept = _forward(m, x, autocast, recompute=False)
+    want = _results(m, y, xr, g)
     outs = []
     m.cpe.register_forward_hook(lambda mod, args, out: outs.append(weakref.ref(out)))
-    saved = []
-    xr = x.detach().requires_grad_()
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.untyped_storage().data_ptr()) or t,
-                                                  lambda t: t), torch.autocast('cpu', torch.bfloat16, enabled=autocast):
-        y = m(xr)
+    y, xr, saved = _forward(m, x, autocast)
     assert len(outs) == 1 and outs[0]() is None        # nothing holds the CPE's output after the forward
     assert len(saved) == len(kept) - 3                  # the hooks outside saw all else that is saved
-    m.zero_grad(set_to_none=True)
-    _backward(y, g)
-    got = [y, xr.grad, *(p.grad for p in m.parameters())]
+    got = _results(m, y, xr, g)
     assert len(outs) == 1 + 3     # recomputed where each of its three savers reads it
     for a, b in zip(got, want):
         assert torch.equal(a, b)
@@ -145,25 +139,16 @@ def test_blocks_keep_no_cpe_output(build, autocast, monkeypatch):
     x = torch.randn(2, HW[0] * HW[1], 8, dtype=dtype)
     g = torch.randn(2, HW[0] * HW[1], 8)
 
-    def step():
-        xr = x.detach().requires_grad_()
-        block.zero_grad(set_to_none=True)
-        with torch.autocast('cpu', torch.bfloat16, enabled=autocast):
-            y = block(xr, HW)
-        return y, xr
-
     refs = []
     _record_cpe_outputs(block, refs)
-    y, xr = step()
+    y, xr, _ = _forward(block, x, autocast, HW)
     n = len(refs)
     assert n == (len(block.cpe) if isinstance(block.cpe, nn.ModuleList) else 1) and all(r() is None for r in refs)
-    _backward(y, g)
-    got = [y, xr.grad, *(p.grad for p in block.parameters())]
+    got = _results(block, y, xr, g)
     monkeypatch.setattr(ck, '_top_hooks', None)        # off: the block keeps its CPE outputs
-    y, xr = step()
+    y, xr, _ = _forward(block, x, autocast, HW)
     assert all(r() is not None for r in refs[-n:])
-    _backward(y, g)
-    for a, b in zip(got, [y, xr.grad, *(p.grad for p in block.parameters())]):
+    for a, b in zip(got, _results(block, y, xr, g)):
         assert torch.equal(a, b)
 
 
@@ -178,9 +163,7 @@ def test_inside_torchs_checkpoint(reentrant, monkeypatch):
     x = torch.randn(2, HW[0] * HW[1], 8, dtype=torch.float64)
     g = torch.randn(2, HW[0] * HW[1], 8, dtype=torch.float64)
     xr = x.detach().requires_grad_()
-    y = m(xr * 2, recompute=False) / 2
-    _backward(y, g)
-    want = [y, xr.grad, *(p.grad for p in m.parameters())]
+    want = _results(m, m(xr * 2, recompute=False) / 2, xr, g)
     xr = x.detach().requires_grad_()
     m.zero_grad(set_to_none=True)
     recipes = []
@@ -194,7 +177,7 @@ def test_inside_torchs_checkpoint(reentrant, monkeypatch):
     monkeypatch.setattr(ck, '_Recipe', Counted)
     y = torch.utils.checkpoint.checkpoint(lambda t: m(t * 2) / 2, xr, use_reentrant=reentrant)
     assert not recipes          # a region keeps only its input: no recipe holds the CPE's input, t * 2
-    _backward(y, g)
+    got = _results(m, y, xr, g)
     assert len(recipes) == (3 if reentrant else 0)
-    for a, b in zip([y, xr.grad, *(p.grad for p in m.parameters())], want):
+    for a, b in zip(got, want):
         assert torch.equal(a, b)

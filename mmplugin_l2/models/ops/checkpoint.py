@@ -196,8 +196,8 @@ def recomputed_output(module, fn, *args):
     Active when `module` trains fast (`dispatch.trains_fast`), the output (a plain tensor, on a device with
     autocast: not on the meta device) requires a gradient, and neither torch.compile traces (its partitioner decides
     what is kept) nor a recomputed region runs (ours or torch's checkpoint: nothing in it is kept); elsewhere it only
-    runs fn. Saved-tensor hooks around it (`save_on_cpu`, the op
-    profile's counting) still see every other saved tensor."""
+    runs fn. Saved-tensor hooks around it (`save_on_cpu`, the op profile's counting) still see every other saved
+    tensor."""
     out = fn(*args)
     active = (type(out) is torch.Tensor and trains_fast(module) and out.requires_grad and not recomputing()
               and not torch.compiler.is_compiling() and _top_hooks is not None
